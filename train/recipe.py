@@ -1,0 +1,326 @@
+"""Recipes: plain YAML data in recipes/, one typed schema, strict validation.
+
+A recipe is `recipes/<name>.yaml`. It may name shared pieces under `base:` (files in recipes/base/, merged in
+order, the recipe's own keys last), so a family's loss weights or a target's data settings live in one place.
+Every key is checked against the dataclasses below: an unknown key names the closest valid one, a wrong type
+names the expected type, and all errors are reported at once. `--set a.b=value` overrides any key before
+validation (values are parsed as YAML, so `--set train.max_steps=10` is an int and `--set draft.mask_token_id=null`
+is None).
+
+    recipe = load_recipe("dspark_smollm2_135m", overrides=["data.num_prompts=64"])
+    recipe.target.layer_ids  # [1, 8, 14, 21, 27]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+FAMILIES = ("dspark", "dflash", "eagle3")
+
+
+# --- schema -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TargetConfig:
+    #: Hugging Face id or local path, or `smollm2-135m-instruct` (the embedded offline target).
+    name_or_path: str = "smollm2-135m-instruct"
+    #: HF layer-output ids whose hidden states the drafter reads (0-based decoder layers).
+    layer_ids: list[int] = field(default_factory=lambda: [1, 8, 14, 21, 27])
+    #: auto = bfloat16 on GPU, float32 on CPU.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+
+
+@dataclass
+class SourceConfig:
+    #: sharegpt | humaneval | mtbench | gsm8k | a local .json/.jsonl path | a Hugging Face dataset id
+    name: str = "sharegpt"
+    path: Optional[str] = None
+    weight: float = 1.0
+    split: str = "train"
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
+    num_prompts: int = 100_000
+    holdout_fraction: float = 0.05
+    max_length: int = 4096
+    #: None keeps the chat template's own default system prompt (training and eval alike).
+    system_prompt: Optional[str] = None
+    #: drop = strip <think> blocks from answers before training; keep = train on them.
+    thinking: Literal["drop", "keep"] = "drop"
+    #: conversations with fewer supervised tokens are not cached.
+    min_loss_tokens: int = 8
+    #: only the first N user turns of each prompt are replayed.
+    max_turns: int = 4
+
+
+@dataclass
+class RegenConfig:
+    #: hf = in-process batched generation; openai = any OpenAI-compatible server (SGLang, vLLM).
+    backend: Literal["hf", "openai"] = "hf"
+    #: several URLs = data parallel over servers (openai backend).
+    server_urls: list[str] = field(default_factory=list)
+    #: model name sent to the server (default: the target's name_or_path).
+    served_model: Optional[str] = None
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    max_new_tokens: int = 4096
+    enable_thinking: bool = False
+    #: prompts per generation batch (hf) and per resumable chunk (both backends).
+    batch_size: int = 16
+    max_concurrency: int = 64
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class CacheConfig:
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    #: conversations per target forward.
+    batch_size: int = 8
+    #: conversations per shard file; a shard is the unit of resume and of work split across ranks.
+    records_per_shard: int = 1024
+
+
+@dataclass
+class DraftConfig:
+    num_layers: int = 5
+    #: gamma: tokens proposed per round.
+    block_size: int = 7
+    num_anchors: int = 512
+    #: True = anchor-first block (DeepSpec); False = 1+N layout (z-lab DFlash, SGLang DFLASH).
+    sample_from_anchor: bool = True
+    #: 0 = no Markov head (DFlash).
+    markov_rank: int = 256
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    enable_confidence_head: bool = True
+    #: None = pick the family's documented default for the target vocabulary.
+    mask_token_id: Optional[int] = None
+    #: Eagle3 only.
+    ttt_length: int = 7
+    draft_vocab_size: Optional[int] = None
+
+
+@dataclass
+class LossConfig:
+    ce_alpha: float = 0.1
+    l1_alpha: float = 0.9
+    conf_alpha: float = 1.0
+    #: w_k = exp(-(k-1)/gamma) per block position.
+    loss_decay_gamma: float = 4.0
+    #: Eagle3 per-TTT-step decay.
+    step_loss_decay: float = 0.8
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 20_000
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    global_batch_size: int = 512
+    micro_batch_size: int = 1
+    max_grad_norm: float = 1.0
+    #: 0 = plain DDP; 1-3 = DeepSpeed ZeRO stage.
+    zero_stage: int = 0
+    save_every: int = 1000
+    log_every: int = 10
+    wandb_project: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    dataset: str = "mtbench"
+    num_samples: int = 80
+    temperature: float = 0.0
+    max_new_tokens: int = 512
+
+
+@dataclass
+class Recipe:
+    family: Literal["dspark", "dflash", "eagle3"] = "dspark"
+    seed: int = 42
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    regen: RegenConfig = field(default_factory=RegenConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    #: filled in by load_recipe; not a key you set.
+    name: str = ""
+
+
+# --- loading ------------------------------------------------------------------------------------------------------
+
+
+class RecipeError(ValueError):
+    """A recipe (or a --set override) does not match the schema; the message lists every problem."""
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        close = difflib.get_close_matches(str(name_or_path), list_recipes(), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise RecipeError(f"no recipe '{name_or_path}'.{hint} `python train/main.py --list-recipes` lists them.")
+    raw = _read_with_bases(path, seen=())
+    for item in overrides:
+        _apply_override(raw, item)
+    raw.setdefault("name", path.stem)
+    errors: list[str] = []
+    recipe = _build(Recipe, raw, "", errors)
+    if errors:
+        raise RecipeError(f"recipe '{path.stem}' is invalid:\n  " + "\n  ".join(errors))
+    _check_values(recipe)
+    return recipe
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    return dataclasses.asdict(recipe)
+
+
+def _read_with_bases(path: Path, seen: tuple) -> dict:
+    if path in seen:
+        raise RecipeError(f"recipe base cycle: {' -> '.join(str(p) for p in seen + (path,))}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path} must hold a mapping of keys, got {type(data).__name__}")
+    bases = data.pop("base", [])
+    merged: dict = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        base_path = RECIPES_DIR / "base" / f"{base}.yaml"
+        if not base_path.is_file():
+            raise RecipeError(f"{path.name}: base '{base}' not found (looked for {base_path})")
+        _deep_merge(merged, _read_with_bases(base_path, seen + (path,)))
+    _deep_merge(merged, data)
+    return merged
+
+
+def _deep_merge(into: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _apply_override(raw: dict, item: str) -> None:
+    if "=" not in item:
+        raise RecipeError(f"--set expects dotted.key=value, got '{item}'")
+    dotted, text = item.split("=", 1)
+    keys = dotted.strip().split(".")
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise RecipeError(f"--set {dotted}: '{key}' is not a section")
+    node[keys[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def _build(cls, raw: Any, prefix: str, errors: list[str]):
+    """Turn a nested dict into dataclass `cls`, appending one message per problem to `errors`."""
+    if not isinstance(raw, dict):
+        errors.append(f"{prefix or 'recipe'}: expected a mapping, got {type(raw).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(fields)}"
+            errors.append(f"unknown key '{dotted}'{hint}")
+            continue
+        kwargs[key] = _convert(hints[key], value, dotted, errors)
+    return cls(**kwargs)
+
+
+def _convert(tp, value: Any, dotted: str, errors: list[str]):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, dotted + ".", errors)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, dotted, errors)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            errors.append(f"{dotted}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            errors.append(f"{dotted}: expected a list of {_type_name(item_tp)}, got {type(value).__name__} {value!r}")
+            return value
+        return [_convert(item_tp, v, f"{dotted}[{i}]", errors) for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, str, bool, float):
+        # bool is an int subclass in Python: reject it where a number is expected.
+        if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
+            errors.append(f"{dotted}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"schema type {tp} of {dotted} is not supported")  # a bug in this file, not in the recipe
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_values(recipe: Recipe) -> None:
+    """Range and cross-field checks, named by dotted key."""
+    problems = []
+    positive = {
+        "data.num_prompts": recipe.data.num_prompts,
+        "data.max_length": recipe.data.max_length,
+        "data.max_turns": recipe.data.max_turns,
+        "regen.max_new_tokens": recipe.regen.max_new_tokens,
+        "regen.batch_size": recipe.regen.batch_size,
+        "cache.batch_size": recipe.cache.batch_size,
+        "cache.records_per_shard": recipe.cache.records_per_shard,
+        "draft.num_layers": recipe.draft.num_layers,
+        "draft.block_size": recipe.draft.block_size,
+        "train.max_steps": recipe.train.max_steps,
+        "train.global_batch_size": recipe.train.global_batch_size,
+        "eval.num_samples": recipe.eval.num_samples,
+    }
+    problems += [f"{k} must be > 0, got {v}" for k, v in positive.items() if v <= 0]
+    if not 0.0 <= recipe.data.holdout_fraction < 1.0:
+        problems.append(f"data.holdout_fraction must be in [0, 1), got {recipe.data.holdout_fraction}")
+    if not recipe.data.sources:
+        problems.append("data.sources must name at least one prompt source")
+    if not recipe.target.layer_ids:
+        problems.append("target.layer_ids must list at least one layer")
+    if len(set(recipe.target.layer_ids)) != len(recipe.target.layer_ids):
+        problems.append(f"target.layer_ids has duplicates: {recipe.target.layer_ids}")
+    if recipe.family == "eagle3" and len(recipe.target.layer_ids) != 3:
+        problems.append(f"target.layer_ids: eagle3 reads 3 auxiliary layers, got {recipe.target.layer_ids}")
+    if recipe.regen.backend == "openai" and not recipe.regen.server_urls:
+        problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
+    if recipe.draft.markov_rank < 0:
+        problems.append(f"draft.markov_rank must be >= 0, got {recipe.draft.markov_rank}")
+    if problems:
+        raise RecipeError(f"recipe '{recipe.name}' is invalid:\n  " + "\n  ".join(problems))
