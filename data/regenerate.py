@@ -37,6 +37,8 @@ class Answer:
     text: str = ""
     token_ids: list[int] | None = None
     error: str | None = None
+    #: the prompt no longer fits data.max_length: a later turn ends the conversation there, a first turn fails it.
+    too_long: bool = False
 
 
 # --- backends -----------------------------------------------------------------------------------------------------
@@ -54,7 +56,8 @@ class HFBackend:
         for i, messages in enumerate(conversations):
             ids = render_prompt_ids(self.tokenizer, messages, enable_thinking=self.regen.enable_thinking)
             if len(ids) >= self.max_length:
-                answers[i] = Answer(error=f"prompt is {len(ids)} tokens, not below data.max_length={self.max_length}")
+                answers[i] = Answer(error=f"prompt is {len(ids)} tokens, not below data.max_length={self.max_length}",
+                                    too_long=True)
             else:
                 prompts.append(ids)
                 slots.append(i)
@@ -158,20 +161,23 @@ def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) ->
     """Replay every user turn of `prompts` in order; returns (records, errors, generated tokens)."""
     answers: dict[str, list[Answer]] = {p.id: [] for p in prompts}
     failed: dict[str, str] = {}
+    ended: set[str] = set()  # conversations cut short by data.max_length after at least one answer
     max_turns = recipe.data.max_turns
     num_tokens = 0
     for turn in range(max_turns):
-        active = [p for p in prompts if turn < len(p.turns) and p.id not in failed]
+        active = [p for p in prompts if turn < len(p.turns) and p.id not in failed and p.id not in ended]
         if not active:
             break
         batch = [build_messages(list(p.turns[: turn + 1]), [a.text for a in answers[p.id]], _system(p, recipe))
                  for p in active]
         for prompt, answer in zip(active, backend.generate(batch, seed=chunk_seed * 64 + turn)):
-            if answer.error is not None:
+            if answer.too_long and turn > 0:
+                ended.add(prompt.id)
+            elif answer.error is not None:
                 failed[prompt.id] = f"turn {turn}: {answer.error}"
-                continue
-            answers[prompt.id].append(answer)
-            num_tokens += len(answer.token_ids)
+            else:
+                answers[prompt.id].append(answer)
+                num_tokens += len(answer.token_ids)
     records, errors = [], []
     for p in prompts:
         if p.id in failed:

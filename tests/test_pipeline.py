@@ -169,7 +169,8 @@ def test_cache_refuses_mismatch_and_corruption(tiny_qwen3, prompt_file, tmp_path
 
 def test_smollm2_target_regenerates_and_caches(tmp_path, capsys):
     out = tmp_path / "smol"
-    assert main(["--recipe", "dspark_smollm2_135m", "--out", str(out), "--set", "data.num_prompts=4",
+    assert main(["--recipe", "dspark_smollm2_135m", "--stages", "regenerate,cache", "--out", str(out),
+                 "--set", "data.num_prompts=4",
                  "--set", "regen.max_new_tokens=12", "--set", "regen.batch_size=4", "--set", "data.min_loss_tokens=1",
                  "--set", "data.sources=[{name: mtbench}]", "--set", "regen.temperature=0"]) == 0
     printed = capsys.readouterr().out

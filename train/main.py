@@ -4,6 +4,7 @@
     python train/main.py --list-recipes
 
 Stages: regenerate (the target answers the prompts) -> cache (target hidden states) -> train -> eval -> export.
+(eval and export arrive with their issues.)
 Each stage writes into --out (default runs/<recipe>) and is skipped when its output is already complete, so
 rerunning the same command after a crash resumes where it stopped.
 """
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from train.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict  # noqa: E402
 
 STAGES = ("regenerate", "cache", "train", "eval", "export")
-AVAILABLE = ("regenerate", "cache")  # the others arrive with their issues
+AVAILABLE = ("regenerate", "cache", "train")  # eval and export arrive with their issues
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -109,6 +110,13 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             from data.capture import run_cache
 
             run_cache(recipe, out / "regen", out / "cache", dist, target, tokenizer)
+        elif name == "train":
+            from data.capture import open_cache
+            from modeling.target import target_hidden_size
+            from train.trainer import run_train
+
+            cache = open_cache(recipe, out / "cache", target_hidden_size(recipe.target.name_or_path), tokenizer)
+            run_train(recipe, cache, out / "train", dist, target)
         dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
 
 

@@ -1,0 +1,211 @@
+"""What differs between drafter families, behind one seam the Trainer calls.
+
+Each algorithm supplies:
+  build(recipe, target_model, cache) -> TrainModule   the drafter plus what its loss needs; forward(batch) -> loss out
+  make_batch(recipe, cache, indices, seeds, device)   padded tensors for some cache records (+ anchors, targets)
+  accumulate(totals, out) / summarize(totals, dist, weight_total) -> metrics for the log
+
+DSpark and DFlash share one implementation (DFlash is the DSpark model with markov_rank=0 and the confidence head
+off, CE only); Eagle3 has its own. Random choices in a batch (anchor positions) are seeded per sample from
+(recipe seed, step, position in the global batch), so neither the rank count nor a resume changes them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from modeling.dspark import DSparkModel, block_targets, build_dspark_config, sample_anchor_positions
+from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping, count_tokens, ttt_valid_mask
+from train.loss import block_loss, eagle3_loss
+
+# SmolLM2's vocabulary has no MASK token, and SGLang needs an id inside the target vocabulary (it reads the mask
+# embedding from the target's embed_tokens). <|endoftext|> (id 0) never occurs inside a chat, so its embedding is a
+# neutral marker. Qwen3 recipes use 151669, the first id past the tokenizer (an untrained embedding row), as DeepSpec.
+DEFAULT_MASK_TOKEN_ID = 0
+
+
+def _seeded(*parts: int) -> torch.Generator:
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + int(part)) % (2**63 - 1)
+    return torch.Generator().manual_seed(value)
+
+
+def pad_records(records: list[dict], device, dtype) -> dict:
+    """Right-pad cache records into a batch; hidden states are cast to the compute dtype."""
+    width = max(len(r["input_ids"]) for r in records)
+    batch = {"input_ids": torch.zeros(len(records), width, dtype=torch.long),
+             "loss_mask": torch.zeros(len(records), width, dtype=torch.bool),
+             "attention_mask": torch.zeros(len(records), width, dtype=torch.long)}
+    hidden = torch.zeros(len(records), width, records[0]["hidden_states"].shape[-1], dtype=dtype)
+    last = torch.zeros(len(records), width, records[0]["last_hidden_state"].shape[-1], dtype=dtype)
+    for i, r in enumerate(records):
+        n = len(r["input_ids"])
+        batch["input_ids"][i, :n] = r["input_ids"]
+        batch["loss_mask"][i, :n] = r["loss_mask"].bool()
+        batch["attention_mask"][i, :n] = 1
+        hidden[i, :n] = r["hidden_states"].to(dtype)
+        last[i, :n] = r["last_hidden_state"].to(dtype)
+    batch.update(hidden_states=hidden, last_hidden_state=last)
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _param_dtype(device) -> torch.dtype:
+    return torch.float32  # master weights stay fp32; bf16 on GPU comes from autocast / DeepSpeed
+
+
+def _save(module: torch.nn.Module, config, path: Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(path)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+# --- DSpark / DFlash ----------------------------------------------------------------------------------------------
+
+
+class BlockTrainModule(torch.nn.Module):
+    def __init__(self, draft: DSparkModel, recipe):
+        super().__init__()
+        self.draft, self.recipe = draft, recipe
+
+    def forward(self, batch: dict):
+        loss = self.recipe.loss
+        draft_hidden = self.draft(batch["input_ids"], batch["hidden_states"], batch["anchor_positions"],
+                                  attention_mask=batch["attention_mask"])
+        keep = batch["anchor_positions"] >= 0  # [B, A]
+        rows = torch.arange(batch["input_ids"].shape[0], device=keep.device)[:, None, None]
+        target_hidden = batch["last_hidden_state"][rows, batch["target_pos"].clamp(min=0)]  # [B, A, gamma, H]
+        return block_loss(self.draft, draft_hidden[keep], target_hidden[keep], batch["labels"][keep],
+                          batch["prev_ids"][keep], batch["valid"][keep], ce_alpha=loss.ce_alpha,
+                          l1_alpha=loss.l1_alpha, conf_alpha=loss.conf_alpha, gamma_decay=loss.loss_decay_gamma,
+                          accept_stats=True)  # DFlash too: the training tau estimate needs the target distribution
+
+    def save_draft(self, path: Path) -> None:
+        _save(self.draft, self.draft.config, path)
+
+
+class BlockAlgorithm:
+    @staticmethod
+    def build(recipe, target, cache) -> BlockTrainModule:
+        d = recipe.draft
+        mask_id = d.mask_token_id if d.mask_token_id is not None else DEFAULT_MASK_TOKEN_ID
+        config = build_dspark_config(
+            target.config, num_layers=d.num_layers, block_size=d.block_size,
+            target_layer_ids=list(recipe.target.layer_ids), mask_token_id=mask_id, markov_rank=d.markov_rank,
+            markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
+            sample_from_anchor=d.sample_from_anchor)
+        return BlockTrainModule(DSparkModel.from_target(config, target).float(), recipe)
+
+    @staticmethod
+    def make_batch(recipe, cache, indices: list[int], seeds: list[tuple], device) -> dict:
+        batch = pad_records([cache[i] for i in indices], device, _param_dtype(device))
+        gamma, num_anchors = recipe.draft.block_size, recipe.draft.num_anchors
+        loss_mask = batch["loss_mask"].cpu()
+        per_sample = [sample_anchor_positions(loss_mask[i: i + 1], num_anchors, _seeded(*seed))[0]
+                      for i, seed in enumerate(seeds)]
+        width = max(1, max(len(a) for a in per_sample))
+        anchors = torch.full((len(per_sample), width), -1, dtype=torch.long)
+        for i, a in enumerate(per_sample):
+            anchors[i, : len(a)] = a
+        labels, prev_ids, target_pos, valid = block_targets(batch["input_ids"].cpu(), loss_mask, anchors, gamma)
+        decay = torch.exp(-torch.arange(gamma, dtype=torch.float64) / recipe.loss.loss_decay_gamma)
+        batch["weight_sum"] = float((valid.double() * decay).sum())
+        extra = dict(anchor_positions=anchors, labels=labels, prev_ids=prev_ids, target_pos=target_pos, valid=valid)
+        batch.update({k: v.to(device) for k, v in extra.items()})
+        return batch
+
+    @staticmethod
+    def accumulate(totals: dict, out) -> None:
+        for name in ("loss_sum", "ce_sum", "l1_sum", "conf_sum", "tau_sum", "num_anchors"):
+            totals[name] = totals.get(name, 0.0) + float(getattr(out, name))
+        for name in ("accept_sum", "accept_count", "top1_correct"):
+            value = getattr(out, name).detach().double().cpu()
+            totals[name] = totals[name] + value if name in totals else value
+
+    @staticmethod
+    def summarize(totals: dict, dist, weight_total: float) -> dict:
+        gamma = len(totals["accept_count"])
+        flat = dist.sum(totals["loss_sum"], totals["ce_sum"], totals["l1_sum"], totals["conf_sum"],
+                        totals["tau_sum"], totals["num_anchors"], *totals["accept_sum"].tolist(),
+                        *totals["accept_count"].tolist(), *totals["top1_correct"].tolist())
+        loss, ce, l1, conf, tau, anchors = flat[:6]
+        accept, count, top1 = flat[6: 6 + gamma], flat[6 + gamma: 6 + 2 * gamma], flat[6 + 2 * gamma:]
+        return {"loss": loss / weight_total, "ce": ce / weight_total, "l1": l1 / weight_total,
+                "conf_bce": conf / weight_total, "tau": tau / max(anchors, 1.0),
+                "accept_rate": [a / max(c, 1.0) for a, c in zip(accept, count)],
+                "top1_acc": [t / max(c, 1.0) for t, c in zip(top1, count)]}
+
+
+# --- Eagle3 -------------------------------------------------------------------------------------------------------
+
+
+class Eagle3TrainModule(torch.nn.Module):
+    def __init__(self, draft: Eagle3Model, target_lm_head: torch.nn.Linear, recipe):
+        super().__init__()
+        self.draft, self.target_lm_head, self.recipe = draft, target_lm_head.requires_grad_(False), recipe
+
+    def forward(self, batch: dict):
+        steps = self.recipe.draft.ttt_length
+        step_hidden = self.draft.forward_train(batch["input_ids"], batch["hidden_states"], batch["attention_mask"],
+                                               steps)
+        return eagle3_loss(self.draft.step_logits, step_hidden, batch["last_hidden_state"], self.target_lm_head,
+                           self.draft.t2d, batch["step_valid"], self.recipe.loss.step_loss_decay)
+
+    def save_draft(self, path: Path) -> None:
+        _save(self.draft, self.draft.config, path)
+
+
+class Eagle3Algorithm:
+    @staticmethod
+    def build(recipe, target, cache) -> Eagle3TrainModule:
+        d = recipe.draft
+        vocab = target.config.vocab_size
+        counts = count_tokens(((cache[i]["input_ids"], cache[i]["loss_mask"]) for i in range(len(cache))), vocab)
+        draft_vocab = min(d.draft_vocab_size or vocab, vocab)
+        d2t, t2d = build_vocab_mapping(counts, draft_vocab)
+        config = build_eagle3_config(target.config, num_layers=d.num_layers, draft_vocab_size=draft_vocab,
+                                     aux_layer_ids=list(recipe.target.layer_ids), ttt_length=d.ttt_length)
+        draft = Eagle3Model.from_target(config, target, d2t, t2d).float()
+        head = torch.nn.Linear(target.config.hidden_size, vocab, bias=False)
+        head.weight.data.copy_(target.get_output_embeddings().weight.detach().float())
+        return Eagle3TrainModule(draft, head, recipe)
+
+    @staticmethod
+    def make_batch(recipe, cache, indices: list[int], seeds: list[tuple], device) -> dict:
+        batch = pad_records([cache[i] for i in indices], device, _param_dtype(device))
+        valid = ttt_valid_mask(batch["loss_mask"], batch["attention_mask"], recipe.draft.ttt_length)
+        batch["step_valid"] = list(valid)
+        decay = recipe.loss.step_loss_decay
+        batch["weight_sum"] = float(sum(decay**k * v.sum().item() for k, v in enumerate(valid)))
+        return batch
+
+    @staticmethod
+    def accumulate(totals: dict, out) -> None:
+        totals["loss_sum"] = totals.get("loss_sum", 0.0) + float(out.loss_sum)
+        for name in ("acc_sum", "acc_count"):
+            value = getattr(out, name).detach().double().cpu()
+            totals[name] = totals[name] + value if name in totals else value
+
+    @staticmethod
+    def summarize(totals: dict, dist, weight_total: float) -> dict:
+        steps = len(totals["acc_count"])
+        flat = dist.sum(totals["loss_sum"], *totals["acc_sum"].tolist(), *totals["acc_count"].tolist())
+        acc = [a / max(c, 1.0) for a, c in zip(flat[1: 1 + steps], flat[1 + steps:])]
+        # SpecForge's simulated accept length: 1 + sum_k prod_{i<=k} acc_i.
+        tau = 1.0 + sum(math.prod(acc[: k + 1]) for k in range(steps))
+        return {"loss": flat[0] / weight_total, "accept_rate": acc, "tau": tau}
+
+
+ALGORITHMS = {"dspark": BlockAlgorithm, "dflash": BlockAlgorithm, "eagle3": Eagle3Algorithm}
+
+
+def get_algorithm(family: str):
+    if family not in ALGORITHMS:
+        raise ValueError(f"unknown drafter family '{family}'; known: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[family]

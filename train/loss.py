@@ -1,0 +1,407 @@
+"""The one loss module for every drafter family: block drafters (DSpark, DFlash) and Eagle3.
+
+Both losses return **sums**, never means. The trainer all-reduces ``weight_sum`` over ranks and micro-batches and
+divides ``loss_sum`` by that global total, so a run on several ranks optimises the same objective as one rank.
+
+Memory. A vocabulary-sized tensor for every prediction at once is the hot spot (Qwen3: 512 anchors x 7 x 151,936 x
+fp32 = 2.2 GB per probability tensor, several of them alive in the backward). Both losses therefore walk over
+anchors (positions, for Eagle3) in chunks, and run each chunk under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the forward keeps nothing vocabulary-sized, the
+backward recomputes one chunk's logits at a time. Peak memory is a handful of ``[chunk, gamma, V]`` fp32 tensors
+whatever the number of anchors (benchmarks/loss_memory.py measures it). The model callables must be deterministic
+(or draw from torch's RNG, whose state the checkpoint restores), since the backward calls them again.
+``chunk_size`` defaults to the largest chunk whose ``[chunk, gamma, V]`` fp32 tensor fits in ``chunk_bytes``
+(256 MiB); the chunked result equals the unchunked one up to floating-point summation order.
+
+Block drafters (``block_loss``), per prediction k = 1..gamma of each anchor, all softmaxes at T=1 in fp32 (or in
+the input's precision if that is higher):
+
+* w_k = exp(-(k-1)/gamma_decay) * valid_k (``gamma_decay=None``: no decay, w_k = valid_k);
+* CE  = sum w * CE(draft_logits, label);
+* L1  = sum w * ||p_draft - p_target||_1 (no 1/2: this is 2 * total variation);
+* BCE = sum w * BCEWithLogits(confidence_logit, c*), with c* = clamp(1 - 1/2 ||p_draft - p_target||_1, 0, 1)
+  detached (the analytic acceptance probability of the prediction under a teacher-forced prefix);
+* loss_sum = ce_alpha * CE + l1_alpha * L1 + conf_alpha * BCE.
+
+A term whose alpha is 0 adds nothing and costs as little as it can: with ``l1_alpha == conf_alpha == 0`` (DFlash)
+neither the target logits nor any probability tensor is computed, and ``confidence_logits`` is only called when
+``conf_alpha > 0``. The acceptance statistics (``accept_sum``, ``tau_sum``) need p_target, so by default they are only
+produced when it is computed anyway (otherwise they are NaN); ``accept_stats=True`` forces them (forward-only, under
+``no_grad``).
+
+Eagle3 (``eagle3_loss``): TTT step k's draft logits at position t are compared with the target distribution at
+position t+k+1, restricted to the draft vocabulary (``t2d``) and renormalised there: soft CE
+-sum p_target * log_softmax(draft_logits), weighted by ``step_decay ** k``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20  # bytes of one fp32 [chunk, gamma, V] tensor (Eagle3: see eagle3_loss)
+
+
+def auto_chunk_size(row_bytes: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Largest number of rows of ``row_bytes`` each that fits in ``chunk_bytes`` (at least 1)."""
+    return max(1, int(chunk_bytes) // max(1, int(row_bytes)))
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """fp32 for half-precision inputs; fp32/fp64 inputs are kept as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def _out_features(linear) -> int:
+    out = getattr(linear, "out_features", None)
+    return int(out) if out is not None else int(linear.weight.shape[0])
+
+
+def position_weights(gamma: int, gamma_decay: float | None, device=None) -> torch.Tensor:
+    """[gamma] fp32: exp(-(k-1)/gamma_decay) for k = 1..gamma (all ones when gamma_decay is None)."""
+    k = torch.arange(gamma, dtype=torch.float32, device=device)
+    if gamma_decay is None:
+        return torch.ones_like(k)
+    if gamma_decay <= 0:
+        raise ValueError(f"gamma_decay must be > 0 (or None for no decay), got {gamma_decay}")
+    return torch.exp(-k / float(gamma_decay))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Block drafters: DSpark, DFlash
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BlockLossOut:
+    """Local sums of one micro-batch. Everything but ``loss_sum`` is detached.
+
+    loss_sum       scalar with grad: ce_alpha*CE + l1_alpha*L1 + conf_alpha*BCE (weighted sums)
+    weight_sum     scalar: sum of the position weights w over valid predictions
+    ce_sum, l1_sum, conf_sum   scalars: the weighted sums of each term before its alpha (l1_sum/conf_sum are 0 when
+                   the term was not computed)
+    accept_sum     [gamma]: sum of c*_k over valid predictions at position k (NaN when not computed, see
+                   ``accept_stats``: never a made-up 0)
+    accept_count   [gamma]: number of valid predictions at position k
+    tau_sum        scalar: sum over anchors with >= 1 valid prediction of 1 + sum_k prod_{i<=k} c*_i, with c* = 0 past
+                   the valid prefix (NaN when not computed)
+    num_anchors    scalar: anchors with >= 1 valid prediction
+    top1_correct   [gamma]: valid predictions whose draft argmax equals the label
+    """
+
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    ce_sum: torch.Tensor
+    l1_sum: torch.Tensor
+    conf_sum: torch.Tensor
+    accept_sum: torch.Tensor
+    accept_count: torch.Tensor
+    tau_sum: torch.Tensor
+    num_anchors: torch.Tensor
+    top1_correct: torch.Tensor
+
+
+def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, conf_alpha, want_cstar):
+    """One chunk of anchors: returns (loss, ce, l1, conf, accept[gamma], tau, top1[gamma]); only loss has grad.
+
+    Memory-sensitive: vocabulary-sized intermediates are dropped as soon as they are used. The statistics come last,
+    under no_grad, so the checkpoint's early stop skips them when the backward recomputes this chunk.
+    """
+    # With neither CE nor L1 trained, p_draft only feeds the detached c*: no graph through the draft logits.
+    with torch.set_grad_enabled(torch.is_grad_enabled() and bool(ce_alpha or l1_alpha)):
+        logits = _wide(model.draft_logits(h, prev_ids))  # [c, gamma, V]
+        logp = torch.log_softmax(logits, dim=-1)
+        del logits
+    nll = -logp.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    ce = (w * torch.where(valid, nll, 0.0)).sum()
+    terms = [ce_alpha * ce] if ce_alpha else []
+
+    l1 = cstar = bce = None
+    if want_cstar:
+        with torch.no_grad():
+            p_t = torch.softmax(_wide(model.lm_head(th)), dim=-1)
+        if l1_alpha:
+            dist = (logp.exp() - p_t).abs().sum(-1)  # [c, gamma], differentiable in p_draft
+        else:
+            with torch.no_grad():
+                dist = (logp.exp() - p_t).abs().sum(-1)
+        del p_t
+        dist = torch.where(valid, dist, 0.0)
+        l1 = (w * dist).sum()
+        if l1_alpha:
+            terms.append(l1_alpha * l1)
+        cstar = (1.0 - 0.5 * dist.detach()).clamp(0.0, 1.0)
+        if conf_alpha:
+            conf_logit = _wide(model.confidence_logits(h, prev_ids))
+            bce_el = F.binary_cross_entropy_with_logits(conf_logit, cstar.to(conf_logit.dtype), reduction="none")
+            bce = (w * torch.where(valid, bce_el, 0.0)).sum()
+            terms.append(conf_alpha * bce)
+
+    loss = terms[0] if terms else h.sum() * 0.0  # every alpha 0: a zero that still backpropagates
+    for term in terms[1:]:
+        loss = loss + term
+
+    with torch.no_grad():
+        zero = ce.new_zeros(())
+        gamma = valid.shape[1]
+        if cstar is not None:
+            c_masked = torch.where(valid, cstar, 0.0)
+            accept = c_masked.sum(0)
+            tau = (1.0 + torch.cumprod(c_masked, dim=1).sum(1)).sum()
+        else:
+            accept, tau = ce.new_zeros(gamma), zero
+        top1 = ((logp.argmax(-1) == labels) & valid).sum(0)
+        return (loss, ce.detach(), zero if l1 is None else l1.detach(), zero if bce is None else bce.detach(),
+                accept, tau, top1)
+
+
+def block_loss(
+    model,
+    draft_hidden: torch.Tensor,
+    target_hidden: torch.Tensor,
+    labels: torch.Tensor,
+    prev_ids: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    ce_alpha: float,
+    l1_alpha: float,
+    conf_alpha: float,
+    gamma_decay: float | None,
+    chunk_size: int | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    accept_stats: bool | None = None,
+    use_checkpoint: bool = True,
+) -> BlockLossOut:
+    """DSpark/DFlash loss sums over N anchors of gamma predictions each.
+
+    draft_hidden  [N, gamma, H], the draft's states (with grad)
+    target_hidden [N, gamma, H], the target's final-norm states whose ``model.lm_head`` gives each prediction's
+                  target distribution (no grad)
+    labels, prev_ids [N, gamma] long; valid [N, gamma] bool, a contiguous valid prefix per anchor
+    model         ``draft_logits(h, prev_ids) -> [n, gamma, V]`` (Markov bias included),
+                  ``confidence_logits(h, prev_ids) -> [n, gamma]`` (called only when conf_alpha > 0), ``lm_head``
+                  (frozen Linear H -> V)
+    chunk_size    anchors per checkpointed chunk; default: the most whose fp32 [chunk, gamma, V] fits chunk_bytes
+    accept_stats  compute accept_sum/tau_sum (else they are NaN); default: only when p_target is needed anyway
+                  (l1 or conf alpha > 0). True costs DFlash one no-grad target-logit matmul and softmax per chunk in
+                  the forward (the backward's recompute stops before it)
+    use_checkpoint  False keeps every chunk's activations for the backward (faster, memory grows with N; for
+                  measurements and small problems)
+    """
+    if draft_hidden.dim() != 3:
+        raise ValueError(f"draft_hidden must be [N, gamma, H], got {tuple(draft_hidden.shape)}")
+    n, gamma, _ = draft_hidden.shape
+    for name, t in (("labels", labels), ("prev_ids", prev_ids), ("valid", valid)):
+        if tuple(t.shape) != (n, gamma):
+            raise ValueError(f"{name} must be [N, gamma] = {(n, gamma)}, got {tuple(t.shape)}")
+    if tuple(target_hidden.shape[:2]) != (n, gamma):
+        raise ValueError(f"target_hidden must be [N, gamma, H] with N, gamma = {(n, gamma)}, "
+                         f"got {tuple(target_hidden.shape)}")
+    if valid.dtype != torch.bool:
+        raise ValueError(f"valid must be bool, got {valid.dtype}")
+    if min(ce_alpha, l1_alpha, conf_alpha) < 0:
+        raise ValueError(f"loss alphas must be >= 0, got ce={ce_alpha} l1={l1_alpha} conf={conf_alpha}")
+
+    device = draft_hidden.device
+    want_cstar = bool(l1_alpha or conf_alpha) if accept_stats is None else bool(accept_stats or l1_alpha or conf_alpha)
+    w_pos = position_weights(gamma, gamma_decay, device)
+    w_all = w_pos * valid  # [N, gamma] fp32
+    accept_count = valid.sum(0)
+    active = valid.any(1)
+    num_anchors = active.sum()
+
+    # Anchors without a valid prediction (padding) are dropped: they weigh nothing, and garbage in them cannot
+    # turn into NaN. One host sync.
+    idx = active.nonzero().squeeze(1)
+    if idx.numel() != n:
+        draft_hidden, target_hidden, labels, prev_ids, valid, w_all = (
+            t.index_select(0, idx) for t in (draft_hidden, target_hidden, labels, prev_ids, valid, w_all))
+    m = idx.numel()
+
+    vocab = _out_features(model.lm_head)
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(gamma * vocab * 4, chunk_bytes)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    ckpt = use_checkpoint and torch.is_grad_enabled()
+
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    loss_sum = draft_hidden.sum() * 0.0 if m == 0 else None
+    ce_sum, l1_sum, conf_sum, tau_sum = zero, zero, zero, zero
+    accept_sum = torch.zeros(gamma, dtype=torch.float32, device=device)
+    top1 = torch.zeros(gamma, dtype=torch.long, device=device)
+    for s in range(0, m, chunk_size):
+        e = min(m, s + chunk_size)
+        args = (model, draft_hidden[s:e], target_hidden[s:e], labels[s:e], prev_ids[s:e], valid[s:e], w_all[s:e],
+                ce_alpha, l1_alpha, conf_alpha, want_cstar)
+        if ckpt:
+            out = checkpoint(_block_chunk, *args, use_reentrant=False)
+        else:
+            out = _block_chunk(*args)
+        loss, ce, l1, conf, accept, tau, t1 = out
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+        ce_sum, l1_sum, conf_sum, tau_sum = ce_sum + ce, l1_sum + l1, conf_sum + conf, tau_sum + tau
+        accept_sum, top1 = accept_sum + accept, top1 + t1
+
+    return BlockLossOut(
+        loss_sum=loss_sum.float(),
+        weight_sum=w_all.sum().float(),
+        ce_sum=ce_sum.float(),
+        l1_sum=l1_sum.float(),
+        conf_sum=conf_sum.float(),
+        accept_sum=accept_sum.float() if want_cstar else torch.full_like(accept_sum, float("nan")),
+        accept_count=accept_count,
+        tau_sum=tau_sum.float() if want_cstar else torch.full_like(tau_sum, float("nan")),
+        num_anchors=num_anchors,
+        top1_correct=top1,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Eagle3
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Eagle3LossOut:
+    """Local sums of one micro-batch. Everything but ``loss_sum`` is detached.
+
+    loss_sum    scalar with grad: sum_k step_decay**k * sum over valid positions of the soft CE of step k
+    weight_sum  scalar: sum_k step_decay**k * (number of valid positions of step k)
+    ce_sum      [steps]: unweighted soft-CE sum per step
+    acc_sum     [steps]: valid positions whose draft argmax equals the target argmax (both within the draft vocab)
+    acc_count   [steps]: valid positions per step (positions whose target t+k+1 falls past the sequence are invalid)
+    """
+
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    ce_sum: torch.Tensor
+    acc_sum: torch.Tensor
+    acc_count: torch.Tensor
+
+
+def _eagle3_chunk(step_logits_fn, weight, bias, th_window, decays, n_pos, *tensors):
+    """Positions [s, s+n_pos) for every step. tensors = K step hiddens [B, n_pos, H] then K valid masks [B, n_pos].
+
+    th_window [B, n_pos+K-1, H] holds target positions s+1 .. s+n_pos+K-1: step k reads rows k .. k+n_pos-1.
+    """
+    steps = len(decays)
+    hs, valids = tensors[:steps], tensors[steps:]
+    with torch.no_grad():
+        t_logp = torch.log_softmax(_wide(F.linear(th_window.to(weight.dtype), weight, bias)), dim=-1)
+        p_t = t_logp.exp()
+        del t_logp
+        t_arg = p_t.argmax(-1)  # [B, n_pos+K-1]
+    loss, ce_list, acc_list = None, [], []
+    for k in range(steps):
+        logits = _wide(step_logits_fn(hs[k]))  # [B, n_pos, Vd]
+        if logits.shape[-1] != p_t.shape[-1]:
+            raise ValueError(f"step_logits_fn returned {logits.shape[-1]} columns; the draft vocabulary (t2d) has "
+                             f"{p_t.shape[-1]}")
+        logp = torch.log_softmax(logits, dim=-1)
+        del logits
+        ce = -(p_t[:, k:k + n_pos] * logp).sum(-1)
+        ce = torch.where(valids[k], ce, 0.0).sum()
+        term = decays[k] * ce
+        loss = term if loss is None else loss + term
+        with torch.no_grad():
+            ce_list.append(ce.detach())
+            acc_list.append(((logp.argmax(-1) == t_arg[:, k:k + n_pos]) & valids[k]).sum())
+        del logp
+    return loss, torch.stack(ce_list), torch.stack(acc_list)
+
+
+def eagle3_loss(
+    step_logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    step_hidden: Sequence[torch.Tensor],
+    target_hidden: torch.Tensor,
+    target_lm_head,
+    t2d: torch.Tensor,
+    valid: Sequence[torch.Tensor],
+    step_decay: float,
+    chunk_size: int | None = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    use_checkpoint: bool = True,
+) -> Eagle3LossOut:
+    """Eagle3 TTT loss sums: soft CE of each step against the target, over the draft vocabulary.
+
+    step_logits_fn  draft states [B, n, H] -> draft-vocabulary logits [B, n, Vd] (shared by all steps)
+    step_hidden     one [B, T, H] per TTT step (with grad)
+    target_hidden   [B, T, H] target final-norm states; target_lm_head a frozen Linear H -> V
+    t2d             [V] bool, True on the draft vocabulary's columns (Vd of them, in target-id order)
+    valid           one [B, T] bool per step; position t of step k is also invalid when t+k+1 >= T
+    chunk_size      positions (along T) per checkpointed chunk; default: the most for which the chunk's K step
+                    log-probabilities plus its target window, [B, chunk, Vd] fp32 each, fit in chunk_bytes
+    """
+    steps = len(step_hidden)
+    if steps == 0 or len(valid) != steps:
+        raise ValueError(f"need one valid mask per step: {steps} step hiddens, {len(valid)} masks")
+    if target_hidden.dim() != 3:
+        raise ValueError(f"target_hidden must be [B, T, H], got {tuple(target_hidden.shape)}")
+    b, t_len, hdim = target_hidden.shape
+    for k in range(steps):
+        if tuple(step_hidden[k].shape[:2]) != (b, t_len):
+            raise ValueError(f"step_hidden[{k}] must be [B, T, H] = {(b, t_len)}, got {tuple(step_hidden[k].shape)}")
+        if tuple(valid[k].shape) != (b, t_len) or valid[k].dtype != torch.bool:
+            raise ValueError(f"valid[{k}] must be bool [B, T] = {(b, t_len)}, got {valid[k].dtype} "
+                             f"{tuple(valid[k].shape)}")
+    vocab = _out_features(target_lm_head)
+    if t2d.dtype != torch.bool or t2d.shape != (vocab,):
+        raise ValueError(f"t2d must be bool [V] = [{vocab}], got {t2d.dtype} {tuple(t2d.shape)}")
+
+    device = target_hidden.device
+    weight, bias = target_lm_head.weight, getattr(target_lm_head, "bias", None)
+    with torch.no_grad():
+        if not bool(t2d.all()):  # restrict the target head to the draft vocabulary once per call
+            cols = t2d.to(weight.device).nonzero().squeeze(1)
+            weight = weight.index_select(0, cols)
+            bias = None if bias is None else bias.index_select(0, cols)
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
+    vocab_d = weight.shape[0]
+
+    decays = [float(step_decay) ** k for k in range(steps)]
+    pos = torch.arange(t_len, device=device)
+    valid = [valid[k] & (pos < t_len - k - 1) for k in range(steps)]
+    counts = torch.stack([v.sum() for v in valid])
+    weight_sum = sum(d * c.float() for d, c in zip(decays, counts))
+
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(b * vocab_d * 4 * (steps + 1), chunk_bytes)
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    ckpt = use_checkpoint and torch.is_grad_enabled()
+    th_pad = F.pad(target_hidden, (0, 0, 0, steps))  # rows past T: finite dummies, always masked out
+
+    loss_sum = None
+    ce_sum = torch.zeros(steps, dtype=torch.float32, device=device)
+    acc_sum = torch.zeros(steps, dtype=torch.long, device=device)
+    for s in range(0, t_len, chunk_size):
+        e = min(t_len, s + chunk_size)
+        n_pos = e - s
+        args = (step_logits_fn, weight, bias, th_pad[:, s + 1:e + steps], decays, n_pos,
+                *(h[:, s:e] for h in step_hidden), *(v[:, s:e] for v in valid))
+        if ckpt:
+            loss, ce, acc = checkpoint(_eagle3_chunk, *args, use_reentrant=False)
+        else:
+            loss, ce, acc = _eagle3_chunk(*args)
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+        ce_sum, acc_sum = ce_sum + ce.float(), acc_sum + acc
+
+    return Eagle3LossOut(loss_sum=loss_sum.float(), weight_sum=torch.as_tensor(weight_sum, device=device).float(),
+                         ce_sum=ce_sum, acc_sum=acc_sum, acc_count=counts)
+
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "BlockLossOut",
+    "Eagle3LossOut",
+    "auto_chunk_size",
+    "block_loss",
+    "eagle3_loss",
+    "position_weights",
+]

@@ -1,0 +1,338 @@
+"""The one Trainer: fits a DSpark, DFlash or Eagle3 drafter on the hidden-state cache.
+
+    torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages train
+
+What differs between families lives in train/algorithms.py (build the drafter, cut a batch, compute the loss);
+this file is the loop: data order, gradient accumulation, optimizer, schedule, checkpoints, logging.
+
+Exactness rules, so a run killed at any step and rerun continues with the very same losses (bit-exact on CPU):
+  * the data order of step s is a function of (seed, s) only: a seeded permutation per epoch of the cache;
+  * every random choice inside a batch (anchor positions) uses a generator seeded by (seed, step, sample index);
+  * the loss of a step is normalised by the weight sum of the whole GLOBAL batch (all micro-batches, all ranks),
+    so 1 rank × 8 sequences and 2 ranks × 4 sequences compute the same gradient;
+  * checkpoints hold the full optimizer state and are published by an atomically written `latest` pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from train import stage
+from train.algorithms import get_algorithm
+from train.dist import Dist, fault_point
+
+
+# --- data order ---------------------------------------------------------------------------------------------------
+
+
+def step_indices(step: int, num_records: int, global_batch: int, seed: int) -> list[int]:
+    """Record indices of the global batch of optimizer step `step` (epochs are seeded permutations)."""
+    indices, perms = [], {}
+    for position in range(step * global_batch, (step + 1) * global_batch):
+        epoch, offset = divmod(position, num_records)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(num_records, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        indices.append(int(perms[epoch][offset]))
+    return indices
+
+
+def lr_at(step: int, recipe) -> float:
+    """Linear warmup then cosine decay to zero, by optimizer step."""
+    train = recipe.train
+    warmup = max(1, int(train.warmup_ratio * train.max_steps))
+    if step < warmup:
+        return train.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, train.max_steps - warmup)
+    return train.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------------
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    pointer = ckpt_root / "latest"
+    if not pointer.is_file():
+        return None
+    path = ckpt_root / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist: Dist, extra: dict) -> Path:
+    path = ckpt_root / f"step-{step:07d}"
+    if dist.is_main:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    if engine.kind == "deepspeed":
+        engine.module.save_checkpoint(str(path), tag="zero")
+    elif dist.is_main:
+        torch.save({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
+    if dist.is_main:
+        module.save_draft(path / "draft")
+        torch.save({"step": step, "model": module.state_dict(), **extra},
+                   path / "trainer_state.pt")
+    dist.barrier()
+    if dist.is_main:
+        stage.atomic_write_text(ckpt_root / "latest", path.name + "\n")
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
+    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    if engine.kind == "deepspeed":
+        engine.module.load_checkpoint(str(path), tag="zero", load_optimizer_states=True,
+                                      load_lr_scheduler_states=False)
+    else:
+        module.load_state_dict(state["model"])
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)["optimizer"])
+    return state
+
+
+# --- engine: plain DDP or DeepSpeed ZeRO ------------------------------------------------------------------------
+
+
+class Engine:
+    """One interface over DDP and DeepSpeed: forward module, backward, optimizer step."""
+
+    def __init__(self, module, recipe, dist: Dist, grad_accum: int):
+        self.kind = "deepspeed" if recipe.train.zero_stage > 0 else "ddp"
+        self.dist, self.recipe = dist, recipe
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        train = recipe.train
+        if self.kind == "deepspeed":
+            import deepspeed
+
+            config = {
+                "train_micro_batch_size_per_gpu": train.micro_batch_size,
+                "gradient_accumulation_steps": grad_accum,
+                "train_batch_size": train.micro_batch_size * grad_accum * dist.world_size,
+                "gradient_clipping": train.max_grad_norm,
+                "zero_optimization": {"stage": train.zero_stage},
+                "bf16": {"enabled": dist.device.type == "cuda"},
+                # torch_adam: DeepSpeed's fused CPU Adam would JIT-compile a C++ op first.
+                "optimizer": {"type": "AdamW", "params": {"lr": train.lr, "weight_decay": train.weight_decay,
+                                                          "betas": [0.9, 0.95], "eps": 1e-8, "torch_adam": True}},
+                "steps_per_print": 10**9,
+                "wall_clock_breakdown": False,
+            }
+            if not torch.distributed.is_initialized():
+                deepspeed.init_distributed(dist_backend="gloo" if dist.device.type == "cpu" else "nccl")
+            self.module, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=self.params,
+                                                                     config=config)
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay,
+                                               betas=(0.9, 0.95), eps=1e-8)
+            self.module = module
+            if dist.world_size > 1:
+                self.module = torch.nn.parallel.DistributedDataParallel(
+                    module, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+
+    def sync_context(self, last_micro: bool):
+        if self.kind == "ddp" and self.dist.world_size > 1 and not last_micro:
+            return self.module.no_sync()
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.kind == "deepspeed":
+            # The loss is already normalised over the global batch: no extra 1/grad_accum.
+            self.module.backward(loss, scale_wrt_gas=False)
+        else:
+            loss.backward()
+
+    def step(self, lr: float, last_micro: bool) -> float | None:
+        """Called after every micro-batch; updates the weights after the last one. Returns the grad norm."""
+        if self.kind == "deepspeed":
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.module.step()
+            return float(self.module.get_global_grad_norm() or 0.0) if last_micro else None
+        if not last_micro:
+            return None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.recipe.train.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+
+# --- logging ------------------------------------------------------------------------------------------------------
+
+
+class Logger:
+    """metrics.jsonl (every step) + tensorboard + wandb (offline unless WANDB_MODE says otherwise), rank 0 only."""
+
+    def __init__(self, out_dir: Path, recipe, dist: Dist, resume_step: int):
+        self.enabled = dist.is_main
+        self.path = out_dir / "metrics.jsonl"
+        self.tb = self.wandb = None
+        if not self.enabled:
+            return
+        # Drop steps after the checkpoint we resume from: they are about to be recomputed.
+        if self.path.is_file():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            stage.atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        if recipe.train.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=recipe.train.wandb_project, name=recipe.name, dir=str(out_dir),
+                                    mode=os.environ.get("WANDB_MODE", "offline"), config=_plain(recipe),
+                                    resume="allow", id=f"{recipe.name}-{abs(hash(str(out_dir.resolve()))) % 10**8}")
+
+    def log(self, step: int, metrics: dict, to_dashboards: bool) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+        if not to_dashboards:
+            return
+        flat = {}
+        for key, value in metrics.items():
+            if isinstance(value, list):
+                flat.update({f"{key}/{i + 1}": v for i, v in enumerate(value)})
+            else:
+                flat[key] = value
+        for key, value in flat.items():
+            self.tb.add_scalar(f"train/{key}", value, step)
+        if self.wandb is not None:
+            self.wandb.log({f"train/{k}": v for k, v in flat.items()}, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _plain(recipe) -> dict:
+    from train.recipe import recipe_to_dict
+
+    return recipe_to_dict(recipe)
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+
+
+def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
+    """The `train` stage on an opened TargetCache. Returns the stats written to DONE.json."""
+    out_dir = Path(out_dir)
+    train = recipe.train
+    settings = {"family": recipe.family, "seed": recipe.seed, "draft": vars(recipe.draft), "loss": vars(recipe.loss),
+                "train": {k: v for k, v in vars(train).items() if k not in ("log_every", "wandb_project")},
+                "cache_index_sha256": cache.manifest.get("index_sha256")}
+    stage.begin(out_dir, settings, dist.is_main)
+    if stage.is_done(out_dir):
+        dist.print(f"[train] {out_dir} is complete; skipping")
+        return stage.read_done(out_dir)
+
+    per_step = train.micro_batch_size * dist.world_size
+    if train.global_batch_size % per_step:
+        raise ValueError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+                         f"train.micro_batch_size × ranks = {per_step}")
+    grad_accum = train.global_batch_size // per_step
+    algo = get_algorithm(recipe.family)
+    torch.manual_seed(recipe.seed)
+    # The drafter plus what its loss needs (frozen target head, ...); its forward(batch) returns the loss sums,
+    # so DDP and DeepSpeed see one ordinary forward per micro-batch.
+    module = algo.build(recipe, get_target(), cache).to(dist.device)
+    engine = Engine(module, recipe, dist, grad_accum)
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+
+    ckpt_root = out_dir / "checkpoints"
+    start_step, first = 0, None
+    resume = latest_checkpoint(ckpt_root)
+    if resume is not None:
+        state = load_checkpoint(engine, module, engine.optimizer, resume)
+        start_step = state["step"]
+        first = state.get("first_metrics")
+        dist.print(f"[train] resuming from {resume} (step {start_step})")
+    dist.print(f"[train] {recipe.family}: {trainable / 1e6:.2f}M trainable parameters, {len(cache)} cached "
+               f"conversations, {train.max_steps} steps × {train.global_batch_size} sequences "
+               f"({dist.world_size} rank(s) × {train.micro_batch_size} × {grad_accum} accumulation), "
+               f"engine {engine.kind}{'' if engine.kind == 'ddp' else f' ZeRO-{train.zero_stage}'}")
+
+    logger = Logger(out_dir, recipe, dist, start_step)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" and engine.kind == "ddp"
+                else nullcontext())
+    bar = tqdm(total=train.max_steps, initial=start_step, desc="train", unit="step", disable=not dist.is_main)
+    last = {}
+    for step in range(start_step, train.max_steps):
+        t0 = time.perf_counter()
+        # --- cut this rank's micro-batches of the global batch, and the global loss denominator
+        indices = step_indices(step, len(cache), train.global_batch_size, recipe.seed)
+        positions = list(range(dist.rank, len(indices), dist.world_size))  # this rank's places in the global batch
+        micro = []
+        for i in range(0, len(positions), train.micro_batch_size):
+            part = positions[i: i + train.micro_batch_size]
+            micro.append(algo.make_batch(recipe, cache, [indices[p] for p in part],
+                                         seeds=[(recipe.seed, step, p) for p in part], device=dist.device))
+        weight_total, = dist.sum(sum(b["weight_sum"] for b in micro))
+        if weight_total <= 0:
+            raise RuntimeError(f"step {step}: no supervised prediction in the global batch; check the cache's loss masks")
+        # --- forward/backward every micro-batch, then one optimizer step
+        totals: dict = {}
+        grad_norm = None
+        lr = lr_at(step, recipe)
+        for i, batch in enumerate(micro):
+            last_micro = i == len(micro) - 1
+            with engine.sync_context(last_micro), autocast:
+                out = engine.module(batch)
+                # DDP and DeepSpeed average gradients over ranks: × world size undoes that.
+                loss = out.loss_sum / weight_total * dist.world_size
+            if not torch.isfinite(loss.detach()):
+                raise FloatingPointError(
+                    f"non-finite loss at step {step} (micro-batch {i}): stopping; the last good checkpoint is "
+                    f"{latest_checkpoint(ckpt_root) or 'none yet'}. Lower train.lr or check the cache.")
+            with engine.sync_context(last_micro):
+                engine.backward(loss)
+            norm = engine.step(lr, last_micro)
+            grad_norm = norm if norm is not None else grad_norm
+            algo.accumulate(totals, out)
+        if not math.isfinite(grad_norm or 0.0):
+            raise FloatingPointError(f"non-finite gradient norm at step {step}: stopping; the last good checkpoint "
+                                     f"is {latest_checkpoint(ckpt_root) or 'none yet'}")
+        # --- metrics (global), log, checkpoint
+        metrics = algo.summarize(totals, dist, weight_total)
+        tokens, = dist.sum(sum(int(b["attention_mask"].sum()) for b in micro))
+        elapsed = dist.max(time.perf_counter() - t0)
+        metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed)
+        first = first or metrics
+        last = metrics
+        logger.log(step + 1, metrics, to_dashboards=(step + 1) % train.log_every == 0 or step == 0)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('tau', 0):.2f}", tok_s=f"{tokens / elapsed:.0f}")
+        if (step + 1) % train.save_every == 0 or step + 1 == train.max_steps:
+            save_checkpoint(engine, module, engine.optimizer, step + 1, ckpt_root, dist, {"first_metrics": first})
+        fault_point("train", step + 1)
+    bar.close()
+    logger.close()
+    final = latest_checkpoint(ckpt_root)
+    stats = {"steps": train.max_steps, "first": first, "last": last, "checkpoint": str(final)}
+    if dist.is_main:
+        _export_final(final, out_dir)
+        stage.mark_done(out_dir, stats)
+        tau = "tau" in (first or {})
+        print(f"[train] done: loss {first['loss']:.4f} -> {last['loss']:.4f}"
+              + (f", training tau estimate {first['tau']:.3f} -> {last['tau']:.3f}" if tau else ""), flush=True)
+    dist.barrier()
+    return stats
+
+
+def _export_final(checkpoint: Path, out_dir: Path) -> None:
+    """Copy the last checkpoint's draft folder to out/train/final (what eval and export read)."""
+    final = out_dir / "final"
+    if final.exists():
+        shutil.rmtree(final)
+    shutil.copytree(checkpoint / "draft", final)
