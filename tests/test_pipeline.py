@@ -2,13 +2,7 @@
 kill -9 and resume (byte-identical results), two ranks, refusal of a mismatched or corrupted cache, and the real
 SmolLM2 target."""
 
-import hashlib
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,55 +13,7 @@ from train.main import main
 from train.recipe import load_recipe
 from train.stage import StageMismatchError
 
-ROOT = Path(__file__).resolve().parent.parent
-
-PROMPTS = [
-    {"conversations": [{"role": "user", "content": f"Question {i}: what is {i} + {i}?"},
-                       {"role": "assistant", "content": "an answer that regeneration discards"},
-                       {"role": "user", "content": f"And {i} times {i}?"}]}
-    for i in range(7)
-] + [{"turns": ["Write a haiku about rain."]}, {"question": "Natalia sold 48 clips. How many are left?"}]
-
-
-@pytest.fixture(scope="module")
-def prompt_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
-    return path
-
-
-def tiny_overrides(tiny_qwen3, prompt_file, **extra):
-    sets = {
-        "target.name_or_path": str(tiny_qwen3),
-        "data.sources": f"[{{name: '{prompt_file}'}}]",
-        "data.num_prompts": 8,
-        "data.min_loss_tokens": 1,
-        "data.max_length": 128,
-        "regen.max_new_tokens": 6,
-        "regen.batch_size": 3,
-        "cache.records_per_shard": 3,
-        "cache.batch_size": 2,
-    }
-    sets.update(extra)
-    args = []
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    return args
-
-
-def tree_digest(folder: Path) -> dict:
-    """sha256 of every file under `folder` (relative names), ignoring nothing."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def run_cli(args, env_extra=None, torchrun=None):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-    env.update(env_extra or {})
-    launcher = [sys.executable, "train/main.py"] if torchrun is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
-        "train/main.py"]
-    return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+from conftest import run_cli, tiny_overrides, tree_digest
 
 
 @pytest.mark.parametrize("name", [f"{f}_qwen3_{s}" for f in ("dspark", "dflash", "eagle3") for s in ("4b", "8b", "14b")])

@@ -98,6 +98,13 @@ def test_set_overrides_nested_and_lists():
     assert recipe.draft.mask_token_id is None
 
 
+def test_exponent_floats_without_a_dot():
+    recipe = load_recipe("dspark_smollm2_135m", ["train.lr=1e-4", "loss.loss_decay_gamma=7"])
+    assert recipe.train.lr == 1e-4 and recipe.loss.loss_decay_gamma == 7.0
+    with pytest.raises(RecipeError, match="train.lr: expected float, got str 'fast'"):
+        load_recipe("dspark_smollm2_135m", ["train.lr=fast"])
+
+
 def test_unknown_recipe_suggests_a_name():
     with pytest.raises(RecipeError, match="dspark_qwen3_8b"):
         load_recipe("dspark_qwen3_8")

@@ -2,7 +2,8 @@
 
 Each algorithm supplies:
   build(recipe, target_model, cache) -> TrainModule   the drafter plus what its loss needs; forward(batch) -> loss out
-  make_batch(recipe, cache, indices, seeds, device)   padded tensors for some cache records (+ anchors, targets)
+  make_batch(recipe, cache, indices, seeds, device)   padded tokens of some cache records (+ anchors, targets) and
+                                                      the batch's loss-weight sum; hidden states: attach_hidden
   accumulate(totals, out) / summarize(totals, dist, weight_total) -> metrics for the log
 
 DSpark and DFlash share one implementation (DFlash is the DSpark model with markov_rank=0 and the confidence head
@@ -35,27 +36,32 @@ def _seeded(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(value)
 
 
-def pad_records(records: list[dict], device, dtype) -> dict:
-    """Right-pad cache records into a batch; hidden states are cast to the compute dtype."""
+def pad_records(records: list[dict], device) -> dict:
+    """Right-pad the token fields of cache records into a batch (hidden states come later: `attach_hidden`)."""
     width = max(len(r["input_ids"]) for r in records)
     batch = {"input_ids": torch.zeros(len(records), width, dtype=torch.long),
              "loss_mask": torch.zeros(len(records), width, dtype=torch.bool),
              "attention_mask": torch.zeros(len(records), width, dtype=torch.long)}
-    hidden = torch.zeros(len(records), width, records[0]["hidden_states"].shape[-1], dtype=dtype)
-    last = torch.zeros(len(records), width, records[0]["last_hidden_state"].shape[-1], dtype=dtype)
     for i, r in enumerate(records):
         n = len(r["input_ids"])
         batch["input_ids"][i, :n] = r["input_ids"]
         batch["loss_mask"][i, :n] = r["loss_mask"].bool()
         batch["attention_mask"][i, :n] = 1
-        hidden[i, :n] = r["hidden_states"].to(dtype)
-        last[i, :n] = r["last_hidden_state"].to(dtype)
-    batch.update(hidden_states=hidden, last_hidden_state=last)
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def _param_dtype(device) -> torch.dtype:
-    return torch.float32  # master weights stay fp32; bf16 on GPU comes from autocast / DeepSpeed
+def attach_hidden(batch: dict, cache, indices: list[int], device, dtype) -> dict:
+    """Add the records' padded hidden states, cast to the compute dtype. Done per micro-batch right before its
+    forward, so a large global batch never holds every micro-batch's hidden states at once."""
+    records = [cache[i] for i in indices]
+    width = batch["input_ids"].shape[1]
+    hidden = torch.zeros(len(records), width, records[0]["hidden_states"].shape[-1], dtype=dtype)
+    last = torch.zeros(len(records), width, records[0]["last_hidden_state"].shape[-1], dtype=dtype)
+    for i, r in enumerate(records):
+        n = len(r["input_ids"])
+        hidden[i, :n] = r["hidden_states"].to(dtype)
+        last[i, :n] = r["last_hidden_state"].to(dtype)
+    return {**batch, "hidden_states": hidden.to(device), "last_hidden_state": last.to(device)}
 
 
 def _save(module: torch.nn.Module, config, path: Path) -> None:
@@ -104,7 +110,7 @@ class BlockAlgorithm:
 
     @staticmethod
     def make_batch(recipe, cache, indices: list[int], seeds: list[tuple], device) -> dict:
-        batch = pad_records([cache[i] for i in indices], device, _param_dtype(device))
+        batch = pad_records([cache[i] for i in indices], device)
         gamma, num_anchors = recipe.draft.block_size, recipe.draft.num_anchors
         loss_mask = batch["loss_mask"].cpu()
         per_sample = [sample_anchor_positions(loss_mask[i: i + 1], num_anchors, _seeded(*seed))[0]
@@ -123,7 +129,7 @@ class BlockAlgorithm:
     @staticmethod
     def accumulate(totals: dict, out) -> None:
         for name in ("loss_sum", "ce_sum", "l1_sum", "conf_sum", "tau_sum", "num_anchors"):
-            totals[name] = totals.get(name, 0.0) + float(getattr(out, name))
+            totals[name] = totals.get(name, 0.0) + float(torch.as_tensor(getattr(out, name)).detach())
         for name in ("accept_sum", "accept_count", "top1_correct"):
             value = getattr(out, name).detach().double().cpu()
             totals[name] = totals[name] + value if name in totals else value
@@ -178,7 +184,7 @@ class Eagle3Algorithm:
 
     @staticmethod
     def make_batch(recipe, cache, indices: list[int], seeds: list[tuple], device) -> dict:
-        batch = pad_records([cache[i] for i in indices], device, _param_dtype(device))
+        batch = pad_records([cache[i] for i in indices], device)
         valid = ttt_valid_mask(batch["loss_mask"], batch["attention_mask"], recipe.draft.ttt_length)
         batch["step_valid"] = list(valid)
         decay = recipe.loss.step_loss_decay
@@ -187,7 +193,7 @@ class Eagle3Algorithm:
 
     @staticmethod
     def accumulate(totals: dict, out) -> None:
-        totals["loss_sum"] = totals.get("loss_sum", 0.0) + float(out.loss_sum)
+        totals["loss_sum"] = totals.get("loss_sum", 0.0) + float(out.loss_sum.detach())
         for name in ("acc_sum", "acc_count"):
             value = getattr(out, name).detach().double().cpu()
             totals[name] = totals[name] + value if name in totals else value

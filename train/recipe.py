@@ -132,6 +132,9 @@ class TrainConfig:
     global_batch_size: int = 512
     micro_batch_size: int = 1
     max_grad_norm: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
     #: 0 = plain DDP; 1-3 = DeepSpeed ZeRO stage.
     zero_stage: int = 0
     save_every: int = 1000
@@ -278,6 +281,12 @@ def _convert(tp, value: Any, dotted: str, errors: list[str]):
         return [_convert(item_tp, v, f"{dotted}[{i}]", errors) for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        # PyYAML reads `1e-4` (no dot) as a string; a float field takes it as the number it clearly is.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, str, bool, float):
         # bool is an int subclass in Python: reject it where a number is expected.
         if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from train import stage
-from train.algorithms import get_algorithm
+from train.algorithms import attach_hidden, get_algorithm
 from train.dist import Dist, fault_point
 
 
@@ -120,17 +120,27 @@ class Engine:
                 "bf16": {"enabled": dist.device.type == "cuda"},
                 # torch_adam: DeepSpeed's fused CPU Adam would JIT-compile a C++ op first.
                 "optimizer": {"type": "AdamW", "params": {"lr": train.lr, "weight_decay": train.weight_decay,
-                                                          "betas": [0.9, 0.95], "eps": 1e-8, "torch_adam": True}},
+                                                          "betas": [train.adam_beta1, train.adam_beta2], "eps": train.adam_eps,
+                                                          "torch_adam": True}},
                 "steps_per_print": 10**9,
                 "wall_clock_breakdown": False,
             }
             if not torch.distributed.is_initialized():
-                deepspeed.init_distributed(dist_backend="gloo" if dist.device.type == "cpu" else "nccl")
+                # A plain `python train/main.py` run: DeepSpeed still wants a (one-process) torchrun-like setup.
+                import socket
+
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                                   ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+                    os.environ.setdefault(key, value)
+            deepspeed.init_distributed(dist_backend="gloo" if dist.device.type == "cpu" else "nccl")
             self.module, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=self.params,
                                                                      config=config)
         else:
             self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay,
-                                               betas=(0.9, 0.95), eps=1e-8)
+                                               betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
             self.module = module
             if dist.world_size > 1:
                 self.module = torch.nn.parallel.DistributedDataParallel(
@@ -160,6 +170,8 @@ class Engine:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.recipe.train.max_grad_norm)
+        if not torch.isfinite(norm):
+            return float(norm)  # the caller stops the run before these gradients touch the weights
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
@@ -264,6 +276,8 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
                f"engine {engine.kind}{'' if engine.kind == 'ddp' else f' ZeRO-{train.zero_stage}'}")
 
     logger = Logger(out_dir, recipe, dist, start_step)
+    # DeepSpeed's bf16 mode keeps bf16 weights (fp32 masters inside): feed it bf16; DDP on GPU autocasts instead.
+    input_dtype = torch.bfloat16 if dist.device.type == "cuda" and engine.kind == "deepspeed" else torch.float32
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" and engine.kind == "ddp"
                 else nullcontext())
     bar = tqdm(total=train.max_steps, initial=start_step, desc="train", unit="step", disable=not dist.is_main)
@@ -273,11 +287,9 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         # --- cut this rank's micro-batches of the global batch, and the global loss denominator
         indices = step_indices(step, len(cache), train.global_batch_size, recipe.seed)
         positions = list(range(dist.rank, len(indices), dist.world_size))  # this rank's places in the global batch
-        micro = []
-        for i in range(0, len(positions), train.micro_batch_size):
-            part = positions[i: i + train.micro_batch_size]
-            micro.append(algo.make_batch(recipe, cache, [indices[p] for p in part],
-                                         seeds=[(recipe.seed, step, p) for p in part], device=dist.device))
+        parts = [positions[i: i + train.micro_batch_size] for i in range(0, len(positions), train.micro_batch_size)]
+        micro = [algo.make_batch(recipe, cache, [indices[p] for p in part], seeds=[(recipe.seed, step, p) for p in part],
+                                 device=dist.device) for part in parts]
         weight_total, = dist.sum(sum(b["weight_sum"] for b in micro))
         if weight_total <= 0:
             raise RuntimeError(f"step {step}: no supervised prediction in the global batch; check the cache's loss masks")
@@ -285,13 +297,15 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         totals: dict = {}
         grad_norm = None
         lr = lr_at(step, recipe)
-        for i, batch in enumerate(micro):
+        for i, (part, batch) in enumerate(zip(parts, micro)):
             last_micro = i == len(micro) - 1
+            batch = attach_hidden(batch, cache, [indices[p] for p in part], dist.device, input_dtype)
             with engine.sync_context(last_micro), autocast:
                 out = engine.module(batch)
                 # DDP and DeepSpeed average gradients over ranks: × world size undoes that.
                 loss = out.loss_sum / weight_total * dist.world_size
-            if not torch.isfinite(loss.detach()):
+            # Collective check, so every rank stops together instead of one waiting in an all-reduce.
+            if dist.max(0.0 if torch.isfinite(loss.detach()) else 1.0) > 0:
                 raise FloatingPointError(
                     f"non-finite loss at step {step} (micro-batch {i}): stopping; the last good checkpoint is "
                     f"{latest_checkpoint(ckpt_root) or 'none yet'}. Lower train.lr or check the cache.")
@@ -300,7 +314,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
             norm = engine.step(lr, last_micro)
             grad_norm = norm if norm is not None else grad_norm
             algo.accumulate(totals, out)
-        if not math.isfinite(grad_norm or 0.0):
+        if not math.isfinite(grad_norm if grad_norm is not None else 0.0):
             raise FloatingPointError(f"non-finite gradient norm at step {step}: stopping; the last good checkpoint "
                                      f"is {latest_checkpoint(ckpt_root) or 'none yet'}")
         # --- metrics (global), log, checkpoint

@@ -1,0 +1,129 @@
+"""The one Trainer on the tiny Qwen3 (real Qwen3 tokenizer): every family trains and its loss falls, kill -9 and
+resume continues with bit-identical losses, 2-rank ZeRO-2 equals 1-rank with the same global batch, a non-finite
+loss stops the run with the last good checkpoint intact."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli, tiny_overrides
+
+TRAIN = {
+    "draft.num_layers": 1, "draft.num_anchors": 6, "draft.block_size": 3, "draft.markov_rank": 8,
+    "draft.draft_vocab_size": 512, "draft.ttt_length": 3,
+    "train.global_batch_size": 4, "train.micro_batch_size": 1, "train.max_steps": 6, "train.save_every": 2,
+    "train.log_every": 1, "train.lr": 3.0e-3, "train.warmup_ratio": 0.0, "train.zero_stage": 0,
+}
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_qwen3, prompt_file, tmp_path_factory):
+    """regenerate + cache once per layer set; tests copy the run folder and train into the copy."""
+    runs = {}
+    for recipe in ("dspark_qwen3_8b", "eagle3_qwen3_8b"):
+        out = tmp_path_factory.mktemp(recipe)
+        done = run_cli(["--recipe", recipe, "--stages", "regenerate,cache", "--out", str(out)]
+                       + tiny_overrides(tiny_qwen3, prompt_file))
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[recipe.split("_")[0]] = out
+    return runs
+
+
+def train_args(recipe, tiny_qwen3, prompt_file, out, **extra):
+    sets = dict(TRAIN)
+    if not recipe.startswith("dspark"):
+        del sets["draft.markov_rank"]  # DFlash and Eagle3 have no Markov head
+    sets.update(extra)
+    return ["--recipe", recipe, "--stages", "train", "--out", str(out)] + tiny_overrides(tiny_qwen3, prompt_file, **sets)
+
+
+def copy_run(prepared, family, dest):
+    shutil.copytree(prepared["eagle3" if family == "eagle3" else "dspark"], dest)
+    return dest
+
+
+def metrics(out):
+    return [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("family", ["dspark", "dflash", "eagle3"])
+def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, prompt_file, tmp_path):
+    out = copy_run(prepared, family, tmp_path / "run")
+    done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out,
+                              **{"train.max_steps": 10, "train.save_every": 5}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    for row in rows:
+        assert len(row["accept_rate"]) == 3 and 1.0 <= row["tau"] <= 4.0
+        assert row["grad_norm"] > 0 and row["lr"] > 0
+    if family == "dspark":
+        assert {"ce", "l1", "conf_bce"} <= set(rows[0])
+    assert "training tau estimate" in done.stdout
+    # the final draft is a plain folder of config + safetensors, named as the serving engines name things
+    final = out / "train" / "final"
+    config = json.loads((final / "config.json").read_text())
+    weights = load_file(str(final / "model.safetensors"))
+    if family == "eagle3":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+        assert weights["lm_head.weight"].shape[0] == 512 and "d2t" in weights and "midlayer.self_attn.q_proj.weight" in weights
+    else:
+        assert config["architectures"] == ["Qwen3DSparkModel"]
+        assert config["markov_rank"] == (8 if family == "dspark" else 0)
+        assert any(k.startswith("markov_head.") for k in weights) == (family == "dspark")
+    # tensorboard and offline wandb both got the run
+    assert list((out / "train" / "tensorboard").glob("events.*"))
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_kill_and_resume_continues_bit_exact(zero_stage, prepared, tiny_qwen3, prompt_file, tmp_path):
+    clean, crashed = copy_run(prepared, "dspark", tmp_path / "clean"), copy_run(prepared, "dspark", tmp_path / "crash")
+    extra = {"train.zero_stage": zero_stage}
+    assert run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, clean, **extra)).returncode == 0
+    killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra),
+                     {"DRAFTSMITH_KILL_AT": "train:3"})
+    assert killed.returncode == -9
+    assert (crashed / "train" / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    resumed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in rows]  # noqa: E731
+    assert strip(metrics(crashed)) == strip(metrics(clean))  # every loss, norm and rate, exactly
+    a = load_file(str(clean / "train" / "final" / "model.safetensors"))
+    b = load_file(str(crashed / "train" / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_rank_zero2_matches_one_rank(prepared, tiny_qwen3, prompt_file, tmp_path):
+    one, two = copy_run(prepared, "dspark", tmp_path / "one"), copy_run(prepared, "dspark", tmp_path / "two")
+    # Adam divides by sqrt(v)+eps: at eps=1e-8 it turns fp32 reduction-order noise in near-zero gradients (rows of
+    # unseen tokens) into lr-sized steps of either sign. A larger eps keeps the comparison about the gradients.
+    extra = {"train.zero_stage": 2, "train.max_steps": 3, "train.save_every": 3, "train.adam_eps": 1.0e-4}
+    first = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, one, **extra))
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, two, **extra), torchrun=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "2 rank(s) × 1 × 2 accumulation" in second.stdout
+    a = load_file(str(one / "train" / "final" / "model.safetensors"))
+    b = load_file(str(two / "train" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+    for x, y in zip(metrics(one), metrics(two)):
+        assert abs(x["loss"] - y["loss"]) < 1e-4 * max(1.0, abs(x["loss"]))
+
+
+def test_non_finite_loss_stops_with_last_good_checkpoint(prepared, tiny_qwen3, prompt_file, tmp_path):
+    out = copy_run(prepared, "dspark", tmp_path / "run")
+    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out,
+                              **{"train.lr": 1.0e30, "train.save_every": 1, "train.max_grad_norm": 1.0e30}))
+    assert done.returncode != 0
+    assert "non-finite" in done.stderr
+    latest = (out / "train" / "checkpoints" / "latest").read_text().strip()
+    state = torch.load(out / "train" / "checkpoints" / latest / "trainer_state.pt", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert not (out / "train" / "DONE.json").exists()
