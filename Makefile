@@ -24,7 +24,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 
 demo: venv
 	$(OFFLINE) $(BIN)/torchrun --nproc_per_node=$(NPROC) train/main.py --recipe dspark_smollm2_135m \
-		--out runs/demo --set data.num_prompts=64
+		--out runs/demo --set data.num_prompts=64 --set train.max_steps=40
 
 test: venv
 	$(OFFLINE) $(BIN)/python -m pytest -q tests

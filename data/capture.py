@@ -119,12 +119,10 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
         manifest = writer.finalize()
         stats = {"records": manifest["num_records"], "tokens": manifest["num_tokens"], "bytes_per_token": per_token,
                  "total_bytes": sum(s["num_bytes"] for s in manifest["shards"]), "dropped": dropped,
-                 "seconds": round(elapsed, 2), "tokens_this_run": int(done_tokens),
-                 "tokens_per_s": round(done_tokens / elapsed, 1) if elapsed > 0 else 0.0}
+                 **stage.throughput(done_tokens, elapsed)}
         stage.mark_done(out_dir, stats)
         print(f"[cache] {stats['records']} records, {stats['tokens']} tokens, {per_token} B/token, "
-              f"{format_bytes(stats['total_bytes'])} on disk; this run: {int(done_tokens)} tokens in {elapsed:.1f} s "
-              f"({stats['tokens_per_s']} tok/s)", flush=True)
+              f"{format_bytes(stats['total_bytes'])} on disk; {stage.throughput_line(stats)}", flush=True)
     dist.barrier()
     return stage.read_done(out_dir)
 

@@ -238,12 +238,10 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
     stats = {}
     if dist.is_main:
         stats = _merge(out_dir, len(chunks))
-        stats.update(seconds=round(elapsed, 2), tokens_this_run=int(total_tokens),
-                     tokens_per_s=round(total_tokens / elapsed, 1) if elapsed > 0 else 0.0)
+        stats.update(stage.throughput(total_tokens, elapsed))
         stage.mark_done(out_dir, stats)
         print(f"[regenerate] {stats['records']} conversations, {stats['errors']} failed, "
-              f"{stats['generated_tokens']} answer tokens; this run: {int(total_tokens)} tokens in {elapsed:.1f} s "
-              f"({stats['tokens_per_s']} tok/s)", flush=True)
+              f"{stats['generated_tokens']} answer tokens; {stage.throughput_line(stats)}", flush=True)
     dist.barrier()
     return stage.read_done(out_dir)
 

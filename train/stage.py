@@ -70,5 +70,16 @@ def mark_done(stage_dir: Path, stats: dict) -> None:
     atomic_write_json(Path(stage_dir) / "DONE.json", stats)
 
 
+def throughput(tokens: float, seconds: float) -> dict:
+    """The timing fields every stage records in DONE.json."""
+    return {"seconds": round(seconds, 2), "tokens_this_run": int(tokens),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0}
+
+
+def throughput_line(stats: dict) -> str:
+    return (f"this run: {stats['tokens_this_run']} tokens in {stats['seconds']:.1f} s "
+            f"({stats['tokens_per_s']} tok/s)")
+
+
 def read_done(stage_dir: Path) -> dict:
     return json.loads((Path(stage_dir) / "DONE.json").read_text())
