@@ -829,7 +829,8 @@ def eval_prompts(
     * ``humaneval`` / ``mtbench``: the benchmark rows (they are test sets).
     * ``gsm8k``: the hub ``test`` split, or all rows of the file at ``path`` (point it at a
       test file).
-    * anything else (``sharegpt``, local files, hub ids): the held-out rows of
+    * a local JSON/JSONL file: its rows (a file named for evaluation is an eval set).
+    * anything else (``sharegpt``, hub ids): the held-out rows of
       :func:`load_prompts` - pass the training recipe's ``seed`` and ``holdout_fraction`` so
       that they are disjoint from what the drafter was trained on.
 
@@ -839,7 +840,7 @@ def eval_prompts(
     """
     spec = _resolve(name_or_path, path)
     everything = num_samples is None or num_samples <= 0
-    if spec.kind in _BENCHMARKS or spec.kind == "gsm8k":
+    if spec.kind in _BENCHMARKS or spec.kind in ("gsm8k", "file"):
         rows = _load_spec(spec, "test", None)
         if everything or num_samples >= len(rows):
             return rows

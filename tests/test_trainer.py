@@ -32,12 +32,12 @@ def prepared(tiny_qwen3, prompt_file, tmp_path_factory):
     return runs
 
 
-def train_args(recipe, tiny_qwen3, prompt_file, out, **extra):
+def train_args(recipe, tiny_qwen3, prompt_file, out, stages="train", **extra):
     sets = dict(TRAIN)
     if not recipe.startswith("dspark"):
         del sets["draft.markov_rank"]  # DFlash and Eagle3 have no Markov head
     sets.update(extra)
-    return ["--recipe", recipe, "--stages", "train", "--out", str(out)] + tiny_overrides(tiny_qwen3, prompt_file, **sets)
+    return ["--recipe", recipe, "--stages", stages, "--out", str(out)] + tiny_overrides(tiny_qwen3, prompt_file, **sets)
 
 
 def copy_run(prepared, family, dest):
@@ -52,8 +52,9 @@ def metrics(out):
 @pytest.mark.parametrize("family", ["dspark", "dflash", "eagle3"])
 def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, prompt_file, tmp_path):
     out = copy_run(prepared, family, tmp_path / "run")
-    done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out,
-                              **{"train.max_steps": 10, "train.save_every": 5}))
+    done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval",
+                              **{"train.max_steps": 10, "train.save_every": 5, "eval.dataset": str(prompt_file),
+                                 "eval.num_samples": 2, "eval.max_new_tokens": 8, "train.wandb_project": "ds-test"}))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 11))
@@ -77,6 +78,11 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
         assert any(k.startswith("markov_head.") for k in weights) == (family == "dspark")
     # tensorboard and offline wandb both got the run
     assert list((out / "train" / "tensorboard").glob("events.*"))
+    assert list((out / "train" / "wandb").glob("offline-run-*/run-*.wandb"))
+    # the eval stage ran the trained drafter losslessly and printed tau
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert report["exact_match"] == 1.0 and report["block_size"] == 3
+    assert "[eval]" in done.stdout and f"tau {report['accept_len']:.3f}" in done.stdout
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])

@@ -4,7 +4,7 @@
     python train/main.py --list-recipes
 
 Stages: regenerate (the target answers the prompts) -> cache (target hidden states) -> train -> eval -> export.
-(eval and export arrive with their issues.)
+(export arrives with its issue.)
 Each stage writes into --out (default runs/<recipe>) and is skipped when its output is already complete, so
 rerunning the same command after a crash resumes where it stopped.
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from train.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict  # noqa: E402
 
 STAGES = ("regenerate", "cache", "train", "eval", "export")
-AVAILABLE = ("regenerate", "cache", "train")  # eval and export arrive with their issues
+AVAILABLE = ("regenerate", "cache", "train", "eval")  # export arrives with its issue
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,7 +117,31 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
 
             cache = open_cache(recipe, out / "cache", target_hidden_size(recipe.target.name_or_path), tokenizer)
             run_train(recipe, cache, out / "train", dist, target)
+        elif name == "eval":
+            run_eval_stage(recipe, out, dist)
         dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
+
+
+def run_eval_stage(recipe, out: Path, dist) -> None:
+    """Speculative decoding with the trained drafter on recipe.eval's prompts (batch size 1, on rank 0)."""
+    import json
+
+    from eval.run import print_summary, run_eval
+
+    report_path = out / "eval" / "report.json"
+    if dist.is_main:
+        if report_path.is_file():
+            print(f"[eval] {report_path} exists; skipping")
+            report = json.loads(report_path.read_text())
+        else:
+            report = run_eval(draft=str(out / "train" / "final"), target_name=recipe.target.name_or_path,
+                              dataset=recipe.eval.dataset, out_dir=out / "eval", num_samples=recipe.eval.num_samples,
+                              temperature=recipe.eval.temperature, block_size=None,
+                              max_new_tokens=recipe.eval.max_new_tokens, seed=recipe.seed,
+                              system_prompt=recipe.data.system_prompt, enable_thinking=recipe.regen.enable_thinking,
+                              device=str(dist.device))
+        print_summary(report)
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,221 @@
+"""Evaluate a drafter on a prompt set: accept length, per-position acceptance, exactness, speed, calibration.
+
+    python eval.py --draft runs/dspark_smollm2_135m/train/final --target smollm2-135m-instruct --dataset mtbench
+
+For every prompt (first user turn, rendered with the same chat-template handling as training) the target generates
+twice in the same process: plain greedy/sampled decoding (the reference and the speed baseline) and speculative
+decoding with the drafter. The report holds:
+  * accept_len (tau): mean over rounds of accepted drafts + 1 (bonus/correction token included);
+  * accept_rate_at_k: prefix survival, #rounds with >= k accepted / #rounds with >= k proposed;
+  * cond_accept_rate_at_k: #rounds with >= k accepted / #rounds with >= k-1 accepted and >= k proposed;
+  * verify_rate: sum of accept lengths / sum of (proposal length + 1);
+  * exact_match: at T=0 the fraction of samples whose output equals the target's own greedy output (must be 1.0);
+  * spec_tokens_per_s, target_tokens_per_s and their ratio `speedup`;
+  * DSpark with a confidence head: ECE/AUROC/Brier per position, STS temperatures fitted on a held-out half of the
+    rounds (sts.json, SGLang's format) with ECE before/after, an SPS(B) table of the target (sps_table.json) and the
+    confidence scheduler against fixed gamma at several batch sizes.
+Written to DIR/report.json, DIR/report.md and DIR/accept_rate.png.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from data.chat import build_messages, render_prompt_ids
+from data.prompts import eval_prompts
+from eval.spec_decode import (DraftLMDrafter, NgramDrafter, load_draft, speculative_generate,
+                              target_generate)
+from train.stage import atomic_write_json, atomic_write_text
+
+
+def acceptance_metrics(rounds, gamma: int) -> dict:
+    """tau, prefix-survival and conditional acceptance per position, verify rate, from RoundRecords."""
+    survived, proposed, reached = [0] * gamma, [0] * gamma, [0] * gamma
+    for r in rounds:
+        for k in range(1, gamma + 1):
+            if r.proposed >= k:
+                proposed[k - 1] += 1
+                survived[k - 1] += r.accepted >= k
+                reached[k - 1] += r.accepted >= k - 1
+    tau = sum(r.accepted + 1 for r in rounds) / max(len(rounds), 1)
+    return {
+        "accept_len": tau,
+        "accept_rate_at_k": [s / p if p else 0.0 for s, p in zip(survived, proposed)],
+        "cond_accept_rate_at_k": [s / n if n else 0.0 for s, n in zip(survived, reached)],
+        "verify_rate": sum(r.accepted + 1 for r in rounds) / max(sum(r.proposed + 1 for r in rounds), 1),
+        "num_rounds": len(rounds),
+    }
+
+
+def make_drafter(draft: str, target, gamma: int):
+    """A trained draft folder, `ngram`, or `lm:<path or id>` (a small causal LM with the target's tokenizer)."""
+    if draft == "ngram":
+        return NgramDrafter(gamma=gamma)
+    if draft.startswith("lm:"):
+        from transformers import AutoModelForCausalLM
+
+        from modeling.target import resolve_target
+
+        model = AutoModelForCausalLM.from_pretrained(resolve_target(draft[3:]), dtype=next(target.parameters()).dtype)
+        return DraftLMDrafter(model.to(target.device).eval(), gamma=gamma, vocab_size=target.config.vocab_size)
+    return load_draft(draft, target)
+
+
+def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int, temperature: float,
+             block_size: int | None, max_new_tokens: int, seed: int = 0, system_prompt: str | None = None,
+             enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
+             scheduler: bool = True) -> dict:
+    from modeling.target import load_target, load_tokenizer
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(target_name, device)
+    tokenizer = load_tokenizer(target_name)
+    drafter = make_drafter(draft, target, block_size or 7)
+    gamma = block_size or drafter.default_gamma
+    prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
+    greedy = temperature <= 1e-5
+
+    samples, rounds = [], []
+    spec_time = target_time = spec_tokens = target_tokens = 0.0
+    for i, prompt in enumerate(tqdm(prompts, desc=f"eval {dataset}", unit="prompt")):
+        messages = build_messages([prompt.turns[0]], [], system_prompt)
+        ids = render_prompt_ids(tokenizer, messages, enable_thinking=enable_thinking)
+        reference = target_generate(target, ids, max_new_tokens, temperature, tokenizer.eos_token_id, seed=seed + i)
+        result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
+                                      temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed + i)
+        target_time += reference.wall_s
+        target_tokens += len(reference.ids)
+        spec_time += result.wall_s
+        spec_tokens += len(result.ids)
+        rounds += result.rounds
+        samples.append({"id": prompt.id, "accept_len": result.accept_len, "tokens": len(result.ids),
+                        "exact": result.ids == reference.ids})
+
+    report = {
+        "draft": draft, "target": target_name, "dataset": dataset, "temperature": temperature,
+        "num_samples": len(samples), "block_size": gamma, "max_new_tokens": max_new_tokens,
+        **acceptance_metrics(rounds, gamma),
+        "exact_match": (sum(s["exact"] for s in samples) / max(len(samples), 1)) if greedy else None,
+        "spec_tokens_per_s": spec_tokens / spec_time if spec_time else 0.0,
+        "target_tokens_per_s": target_tokens / target_time if target_time else 0.0,
+        "samples": samples,
+    }
+    report["speedup"] = report["spec_tokens_per_s"] / report["target_tokens_per_s"] if target_tokens else 0.0
+    if rounds and rounds[0].confidences is not None:
+        report["calibration"] = _calibrate(rounds, gamma, out_dir, dataset)
+        if scheduler:
+            report["scheduler"] = _schedule(target, rounds, gamma, out_dir, seed)
+    atomic_write_json(out_dir / "report.json", report)
+    atomic_write_text(out_dir / "report.md", report_markdown(report))
+    plot_acceptance(report, out_dir / "accept_rate.png")
+    return report
+
+
+def _confidence_arrays(rounds, gamma: int):
+    import numpy as np
+
+    logits = np.full((len(rounds), gamma), np.nan)
+    labels = np.zeros((len(rounds), gamma))
+    mask = np.zeros((len(rounds), gamma), dtype=bool)
+    for i, r in enumerate(rounds):
+        for k, c in enumerate(r.confidences[:gamma]):
+            c = min(max(float(c), 1e-6), 1 - 1e-6)
+            logits[i, k] = np.log(c / (1 - c))
+            labels[i, k] = float(r.accepted >= k + 1)
+            mask[i, k] = True
+    return logits, labels, mask
+
+
+def _calibrate(rounds, gamma: int, out_dir: Path, dataset: str) -> dict:
+    from eval.calibration import calibrate_sts, calibration_report, save_sts
+
+    logits, labels, mask = _confidence_arrays(rounds, gamma)
+    before = calibration_report(logits, labels, mask)
+    result = calibrate_sts(logits, labels, mask)
+    save_sts(out_dir / "sts.json", dataset=dataset, **result)
+    return {"before": before, "sts_temperatures": result["temperatures"], "ece_before": result["ece_before"],
+            "ece_after": result["ece_after"], "sts_path": str(out_dir / "sts.json")}
+
+
+def _schedule(target, rounds, gamma: int, out_dir: Path, seed: int) -> dict:
+    from eval.scheduler import format_table, profile_sps, simulate
+
+    vocab = target.config.vocab_size
+    device = next(target.parameters()).device
+
+    @torch.inference_mode()
+    def verify_step(batch_tokens: int):
+        # One verify forward over `batch_tokens` new tokens after a short shared context.
+        ids = torch.randint(0, vocab, (1, batch_tokens), generator=torch.Generator().manual_seed(batch_tokens))
+        target(ids.to(device))
+
+    table = profile_sps(verify_step, [1, 2, 4, 8, 16, 32, 64, 128], repeats=3)
+    table.save(out_dir / "sps_table.json")
+    by_request = [[(r.confidences, r.accept_flags) for r in rounds]]
+    rows = simulate(by_request, table, gammas=list(range(1, gamma + 1)), batch_sizes=(1, 4, 16), seed=seed)
+    return {"sps_table_path": str(out_dir / "sps_table.json"), "rows": rows, "table": format_table(rows)}
+
+
+def report_markdown(report: dict) -> str:
+    k = len(report["accept_rate_at_k"])
+    lines = [f"# Speculative decoding: {report['dataset']}", "",
+             f"draft `{report['draft']}`, target `{report['target']}`, T={report['temperature']}, "
+             f"gamma={report['block_size']}, {report['num_samples']} prompts", "",
+             "| dataset | tau | exact match | spec tok/s | target tok/s | speedup | verify rate |",
+             "|---|---|---|---|---|---|---|",
+             f"| {report['dataset']} | {report['accept_len']:.3f} | {report['exact_match']} | "
+             f"{report['spec_tokens_per_s']:.1f} | {report['target_tokens_per_s']:.1f} | {report['speedup']:.2f}x | "
+             f"{report['verify_rate']:.3f} |", "",
+             "| position | " + " | ".join(str(i + 1) for i in range(k)) + " |",
+             "|---|" + "---|" * k,
+             "| accept rate (prefix) | " + " | ".join(f"{v:.3f}" for v in report["accept_rate_at_k"]) + " |",
+             "| accept rate (conditional) | " + " | ".join(f"{v:.3f}" for v in report["cond_accept_rate_at_k"]) + " |"]
+    if "calibration" in report:
+        cal = report["calibration"]
+        lines += ["", "## Calibration (cumulative confidence vs prefix acceptance)", "",
+                  "| position | " + " | ".join(str(i + 1) for i in range(k)) + " |", "|---|" + "---|" * k,
+                  "| ECE before STS (held out) | " + " | ".join(_fmt(v) for v in cal["ece_before"]) + " |",
+                  "| ECE after STS (held out) | " + " | ".join(_fmt(v) for v in cal["ece_after"]) + " |",
+                  "| AUROC | " + " | ".join(_fmt(v) for v in cal["before"]["auroc"]) + " |",
+                  "| Brier | " + " | ".join(_fmt(v) for v in cal["before"]["brier"]) + " |",
+                  "| STS temperature | " + " | ".join(_fmt(v) for v in cal["sts_temperatures"]) + " |"]
+    if "scheduler" in report:
+        lines += ["", "## Confidence scheduler vs fixed gamma (Theta = tau x SPS(B))", "", report["scheduler"]["table"]]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value) -> str:
+    return "nan" if value is None or value != value else f"{value:.3f}"
+
+
+def plot_acceptance(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    positions = list(range(1, len(report["accept_rate_at_k"]) + 1))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(positions, report["accept_rate_at_k"], marker="o", label="prefix survival")
+    ax.plot(positions, report["cond_accept_rate_at_k"], marker="s", label="conditional")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("acceptance")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{report['dataset']}: tau = {report['accept_len']:.2f} (T={report['temperature']})")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_summary(report: dict) -> None:
+    print(f"[eval] {report['dataset']}: tau {report['accept_len']:.3f}, exact_match {report['exact_match']}, "
+          f"speedup {report['speedup']:.2f}x ({report['spec_tokens_per_s']:.1f} vs "
+          f"{report['target_tokens_per_s']:.1f} tok/s), accept@k "
+          + ", ".join(f"{v:.2f}" for v in report["accept_rate_at_k"]), flush=True)

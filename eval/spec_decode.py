@@ -1,0 +1,639 @@
+"""Lossless speculative decoding at batch size 1: one loop, any drafter (DSpark, DFlash, Eagle3, n-gram, draft LM).
+
+The loop (`speculative_generate`)
+    The sequence is `tokens`; its last token is *pending*: emitted, but not yet run through the target. The target's
+    KV cache (a transformers DynamicCache) holds every other token. Each round:
+      1. the drafter proposes gamma tokens d_1..d_gamma (plus, when sampling, their proposal distributions);
+      2. the target runs [pending, d_1..d_gamma] in ONE forward on top of its cache, which gives the target
+         distribution of every proposed position and of the bonus position, and (forward hooks) the recipe layers'
+         hidden states of those positions;
+      3. acceptance: T=0 keeps the longest prefix equal to the target argmax and appends the target argmax at the
+         first mismatch (or the bonus token); T>0 is standard rejection sampling (accept x with min(1, p_t/p_d), on
+         rejection resample from norm((p_t - p_d)+), bonus from p_t), which leaves the output distribution exactly
+         the target's whatever the drafter does;
+      4. the cache is cropped to the verified tokens (old pending + accepted drafts), the new pending token is the
+         correction/bonus, and the drafter receives the hidden states of the verified positions only.
+    Output stops at EOS or max_new_tokens (the last round is truncated; nothing past the budget is emitted).
+
+Drafters (`Drafter`: reset / propose / accept; the loop never looks inside)
+    DSparkDrafter   DSpark and DFlash (`Qwen3DSparkModel`). Context = target hidden states of every verified token;
+                    one parallel block pass anchored at the pending token (which, as in training, sees only context
+                    positions < anchor), then DSpark's Markov head samples left to right; sigmoid confidences.
+    Eagle3Drafter   `LlamaForCausalLMEagle3`: a chain of gamma steps as in TTT; draft ids -> target ids via d2t.
+    NgramDrafter    prompt lookup; DraftLMDrafter: any HF causal LM sharing the tokenizer, with its own KV cache.
+`load_draft(dir, target)` builds the right one from a saved `runs/<recipe>/train/final/` (or a serving export).
+`target_generate` is plain autoregressive decoding with the same cached target: the speed baseline and the T=0
+reference (speculative output must equal it token for token).
+
+Every random draw (drafter sampling, accept tests, residual and bonus sampling) uses one seeded torch.Generator.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+from modeling.dspark import DSparkModel
+from modeling.eagle3 import Eagle3Model
+from modeling.target import check_layer_ids, decoder_layers
+
+GREEDY_BELOW = 1e-5  # DeepSpec: temperatures below this mean greedy (one-hot distributions)
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sampling helpers
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < GREEDY_BELOW
+
+
+def softmax_t(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    # float32 at least: bf16 probabilities are too coarse for the p_t/p_d ratios of rejection sampling.
+    return torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> tuple[int, torch.Tensor | None]:
+    """One token from a [V] logit row: argmax at T=0 (no distribution), else a draw from softmax(logits/T)."""
+    if is_greedy(temperature):
+        return int(logits.argmax()), None
+    probs = softmax_t(logits, temperature)
+    return sample(probs, generator), probs
+
+
+class Proposal(NamedTuple):
+    tokens: list[int]  # [gamma'] target-vocabulary ids, gamma' <= gamma (may be empty)
+    probs: torch.Tensor | None  # [gamma', V] proposal distributions; None = greedy / one-hot (n-gram)
+    confidences: list[float] | None  # [gamma'] estimated P(accept k | prefix accepted), when the drafter has them
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Drafters
+
+
+class Drafter:
+    """Base: keeps the token sequence (last entry = pending token) and the last proposal.
+
+    reset(tokens, target_hidden): start a sequence; target_hidden [len(tokens)-1, K*H] are the target layer outputs
+        of every token but the pending one (None for drafters that read no target state).
+    propose(gamma, temperature, generator) -> Proposal
+    accept(num_accepted, next_token, target_hidden): the first `num_accepted` drafts were accepted and `next_token`
+        is the new pending token; target_hidden [num_accepted+1, K*H] are the states of the old pending token and
+        the accepted drafts (the positions that just became verified).
+    """
+
+    layer_ids: list[int] = []  # target layers whose outputs this drafter reads (HF layer-output ids)
+    default_gamma: int = 4
+
+    def reset(self, tokens: list[int], target_hidden: torch.Tensor | None) -> None:
+        self.tokens = list(tokens)
+        self.last = Proposal([], None, None)
+
+    def propose(self, gamma: int, temperature: float, generator: torch.Generator) -> Proposal:
+        raise NotImplementedError
+
+    def accept(self, num_accepted: int, next_token: int, target_hidden: torch.Tensor | None) -> None:
+        self.tokens += self.last.tokens[:num_accepted] + [next_token]
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+class DSparkDrafter(Drafter):
+    """DSpark / DFlash block drafter.
+
+    use_cache=True keeps each layer's projected context keys/values (k_norm + RoPE at the context position, exactly
+    what `DSparkAttention` computes) and only projects newly verified positions; the block pass then attends to
+    [all cached context; block] without a mask, since every cached position is < anchor. use_cache=False calls
+    `DSparkModel.forward` on the full context every round: the reference the cached path is tested against.
+    """
+
+    def __init__(self, model: DSparkModel, use_cache: bool = True):
+        self.model = model.eval()
+        self.layer_ids = list(model.config.target_layer_ids)
+        self.default_gamma = model.block_size
+        self.use_cache = use_cache
+
+    @torch.no_grad()
+    def reset(self, tokens, target_hidden):
+        super().reset(tokens, target_hidden)
+        self.hidden = target_hidden  # only grown in the recompute path
+        self.kv = None
+        self.ctx_len = 0
+        if self.use_cache:
+            self._extend(target_hidden)
+
+    @torch.no_grad()
+    def accept(self, num_accepted, next_token, target_hidden):
+        super().accept(num_accepted, next_token, target_hidden)
+        if self.use_cache:
+            self._extend(target_hidden)
+        else:
+            self.hidden = torch.cat([self.hidden, target_hidden], dim=0)
+
+    def _extend(self, hidden: torch.Tensor) -> None:
+        model = self.model
+        ctx = model.context_features(hidden.to(_device(model)))[None]  # [1, m, H]
+        pos = torch.arange(self.ctx_len, self.ctx_len + ctx.shape[1], device=ctx.device)[None]
+        cos, sin = model.rotary_emb(ctx, pos)
+        new = []
+        for layer in model.layers:
+            k, v = layer.self_attn._kv(ctx)
+            k, _ = apply_rotary_pos_emb(k, k, cos, sin)
+            new.append((k, v))
+        self.kv = new if self.kv is None else [
+            (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
+        self.ctx_len += ctx.shape[1]
+
+    def _block_cached(self, anchor: int) -> torch.Tensor:
+        model = self.model
+        device = _device(model)
+        ids = torch.full((1, model.block_len), model.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = self.tokens[-1]
+        x = model.embed_tokens(ids)
+        cos, sin = model.rotary_emb(x, anchor + torch.arange(model.block_len, device=device)[None])
+        for layer, (k_ctx, v_ctx) in zip(model.layers, self.kv):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(1, -1, attn.num_heads, attn.head_dim)).transpose(1, 2)
+            k, v = attn._kv(h)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            out = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2),
+                                                 scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, model.block_len, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return model.norm(x)[0, model.block_len - model.block_size:]
+
+    def _block_recompute(self, anchor: int) -> torch.Tensor:
+        model = self.model
+        device = _device(model)
+        ids = torch.tensor([self.tokens], device=device)
+        # The anchor's own row is a placeholder: the mask hides context positions >= anchor.
+        hidden = torch.cat([self.hidden.to(device), self.hidden.new_zeros(1, self.hidden.shape[1]).to(device)])
+        anchors = torch.tensor([[anchor]], device=device)
+        return model(ids, hidden[None], anchors, attn_impl="sdpa")[0, 0]
+
+    @torch.no_grad()
+    def block_states(self) -> torch.Tensor:
+        """[block_size, H] prediction states of the block anchored at the pending token (prediction k -> a+k)."""
+        anchor = len(self.tokens) - 1  # == number of verified positions
+        return self._block_cached(anchor) if self.use_cache else self._block_recompute(anchor)
+
+    @torch.no_grad()
+    def propose(self, gamma, temperature, generator):
+        model = self.model
+        h = self.block_states()[:gamma]
+        device = h.device
+        # Markov head: token k's logits depend on the drafted token k-1 (k=1: the anchor), so drafts are drawn left to
+        # right (DFlash has no head: draft_logits is lm_head alone). The rnn head carries a state over the whole
+        # drafted prefix, hence the prefix recomputation there.
+        rnn = model.markov_head is not None and model.config.markov_head_type == "rnn"
+        tokens, probs, prev = [], [], [self.tokens[-1]]
+        for k in range(h.shape[0]):
+            start = 0 if rnn else k
+            logits = model.draft_logits(h[start: k + 1], torch.tensor(prev[start:], device=device))[-1]
+            token, p = pick(logits, temperature, generator)
+            tokens.append(token)
+            probs.append(p)
+            prev.append(token)
+        confidences = None
+        if model.confidence_head is not None and tokens:
+            prev_ids = torch.tensor(prev[:-1], device=device)
+            confidences = torch.sigmoid(model.confidence_logits(h, prev_ids).float()).tolist()
+        self.last = Proposal(tokens, None if is_greedy(temperature) or not tokens else torch.stack(probs),
+                             confidences)
+        return self.last
+
+
+class Eagle3Drafter(Drafter):
+    """EAGLE3 chain drafting, the inference side of `Eagle3Model.forward_train`'s TTT.
+
+    Step 0 at the last verified position t = n-1 reads fc(aux_t) and the embedding of x_{t+1} (the pending token);
+    step k >= 1 reads the step-(k-1) pre-norm output at t and the embedding of draft k, at RoPE position t+k, and
+    attends to the step-0 keys of positions <= t plus its own earlier steps at t (the TTT "diagonal"). The step-0
+    keys/values of a position depend only on verified data, so they are computed once per position and kept;
+    only the chain's diagonal keys are thrown away after each round.
+    """
+
+    def __init__(self, model: Eagle3Model):
+        self.model = model.eval()
+        self.layer_ids = list(model.config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+        self.default_gamma = int(getattr(model.config, "ttt_length", 7))
+        self.layers = [model.midlayer, *model.layers.values()]
+
+    @torch.no_grad()
+    def reset(self, tokens, target_hidden):
+        super().reset(tokens, target_hidden)
+        self.todo = target_hidden  # aux rows whose step-0 keys are not computed yet
+        self.kv = [([], []) for _ in self.layers]
+        self.done = 0  # positions with step-0 keys
+        self.h_last = None  # step-0 pre-norm output at the last verified position
+
+    @torch.no_grad()
+    def accept(self, num_accepted, next_token, target_hidden):
+        super().accept(num_accepted, next_token, target_hidden)
+        self.todo = torch.cat([self.todo, target_hidden], dim=0)
+
+    def _run(self, token_ids, hidden, start, mask, caches):
+        model = self.model
+        embeds = model.embed_tokens(token_ids)[None].to(hidden.dtype)
+        cos, sin = model.rotary_emb(hidden, start + torch.arange(hidden.shape[1], device=hidden.device)[None])
+        for layer, cache in zip(self.layers, caches):
+            hidden = layer(embeds, hidden, cos, sin, mask, cache)
+        return hidden
+
+    def _advance_context(self) -> None:
+        m, new = self.done, self.todo.shape[0]
+        if new == 0:
+            return
+        model = self.model
+        device = _device(model)
+        hidden = model.fc(self.todo.to(device=device, dtype=model.fc.weight.dtype))[None]
+        # Position t consumes x_{t+1}; every such token is known (the last one is the pending token).
+        ids = torch.tensor(self.tokens[m + 1: m + new + 1], device=device)
+        causal = torch.ones(new, new, dtype=torch.bool, device=device).tril()
+        mask = torch.cat([torch.ones(new, m, dtype=torch.bool, device=device), causal], dim=1)
+        out = self._run(ids, hidden, m, mask, self.kv)
+        for keys, values in self.kv:  # one tensor per layer keeps later concatenations cheap
+            keys[:] = [torch.cat(keys, dim=2)]
+            values[:] = [torch.cat(values, dim=2)]
+        self.h_last, self.done, self.todo = out[:, -1:], m + new, self.todo[:0]
+
+    @torch.no_grad()
+    def propose(self, gamma, temperature, generator):
+        n = len(self.tokens) - 1
+        if n == 0 or gamma <= 0:  # nothing verified yet: no aux state to draft from
+            self.last = Proposal([], None, None)
+            return self.last
+        model = self.model
+        self._advance_context()
+        device = _device(model)
+        d2t = model.d2t.to(device)
+        caches = [(list(k), list(v)) for k, v in self.kv]  # the chain's diagonal keys go to throwaway copies
+        h, tokens, probs = self.h_last, [], []
+        for step in range(gamma):
+            if step > 0:
+                mask = torch.ones(1, n + step, dtype=torch.bool, device=device)
+                h = self._run(torch.tensor([tokens[-1]], device=device), h, n - 1 + step, mask, caches)
+            logits = model.step_logits(model.norm(h))[0, -1]
+            draft_id, p = pick(logits, temperature, generator)
+            tokens.append(draft_id + int(d2t[draft_id]))
+            if p is not None:  # draft-vocabulary distribution -> target vocabulary (zero outside the kept ids)
+                full = p.new_zeros(model.config.vocab_size)
+                full[torch.arange(p.shape[0], device=device) + d2t] = p
+                probs.append(full)
+        self.last = Proposal(tokens, torch.stack(probs) if probs else None, None)
+        return self.last
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n = max_n..min_n) in the
+    sequence and propose what followed it. One-hot proposals (probs None)."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1, gamma: int = 4):
+        self.max_n, self.min_n, self.default_gamma = max_n, min_n, gamma
+
+    def propose(self, gamma, temperature, generator):
+        seq = self.tokens
+        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
+            suffix = seq[-n:]
+            for start in range(len(seq) - n - 1, -1, -1):  # most recent match first; never the suffix itself
+                if seq[start: start + n] == suffix:
+                    self.last = Proposal(seq[start + n: start + n + gamma], None, None)
+                    return self.last
+        self.last = Proposal([], None, None)
+        return self.last
+
+
+class DraftLMDrafter(Drafter):
+    """A small HF causal LM with the target's tokenizer drafts a chain of gamma tokens with its own KV cache.
+
+    The cache is kept for the longest prefix it shares with the sequence after acceptance (it holds the pending
+    token and drafts 1..gamma-1), so each round feeds only the uncached tail. `vocab_size` aligns the draft's logits
+    with the target's (padded embedding matrices differ between model sizes): extra columns are dropped, missing
+    ones get probability 0.
+    """
+
+    def __init__(self, model, gamma: int = 4, vocab_size: int | None = None):
+        self.model = model.eval()
+        self.default_gamma = gamma
+        self.vocab_size = vocab_size
+
+    def reset(self, tokens, target_hidden):
+        super().reset(tokens, target_hidden)
+        self.cache, self.cached = DynamicCache(), []
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        size = self.vocab_size or logits.shape[-1]
+        if logits.shape[-1] >= size:
+            return logits[:size]
+        return torch.cat([logits, logits.new_full((size - logits.shape[-1],), float("-inf"))])
+
+    @torch.no_grad()
+    def propose(self, gamma, temperature, generator):
+        keep = 0
+        while keep < min(len(self.cached), len(self.tokens) - 1) and self.cached[keep] == self.tokens[keep]:
+            keep += 1
+        crop_cache(self.cache, keep)
+        device = _device(self.model)
+        feed, tokens, probs = self.tokens[keep:], [], []
+        for step in range(gamma):
+            out = self.model(input_ids=torch.tensor([feed], device=device), past_key_values=self.cache,
+                             use_cache=True)
+            token, p = pick(self._logits(out.logits[0, -1]), temperature, generator)
+            tokens.append(token)
+            probs.append(p)
+            feed = [token]
+        # Cached now: the kept prefix plus everything fed (the tail and every draft but the last).
+        self.cached = self.tokens + tokens[:-1] if tokens else self.tokens[:keep]
+        greedy = is_greedy(temperature) or not tokens
+        self.last = Proposal(tokens, None if greedy else torch.stack(probs), None)
+        return self.last
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading a trained draft
+
+
+def _load_weights(model, draft_dir: Path, target_model, shared: dict[str, str]) -> None:
+    """Load model.safetensors, taking `shared` weights (name -> 'embed'/'head') from the target when the file lacks
+    them: serving exports drop the frozen copies because SGLang/vLLM read the target's own."""
+    from safetensors.torch import load_file
+
+    missing, unexpected = model.load_state_dict(load_file(str(draft_dir / "model.safetensors")), strict=False)
+    if unexpected or set(missing) - set(shared):
+        raise ValueError(f"draft weights do not match {type(model).__name__}: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
+    with torch.no_grad():
+        for name in missing:
+            source = target_model.get_input_embeddings() if shared[name] == "embed" \
+                else target_model.get_output_embeddings()
+            model.get_parameter(name).copy_(source.weight)
+
+
+def _load_dspark(config_dict: dict, draft_dir: Path, target_model) -> Drafter:
+    from transformers import Qwen3Config
+
+    model = DSparkModel(Qwen3Config.from_dict(config_dict))
+    _load_weights(model, draft_dir, target_model, {"embed_tokens.weight": "embed", "lm_head.weight": "head"})
+    return DSparkDrafter(model)
+
+
+def _load_eagle3(config_dict: dict, draft_dir: Path, target_model) -> Drafter:
+    from transformers import LlamaConfig
+
+    model = Eagle3Model(LlamaConfig.from_dict(config_dict))
+    # lm_head is the draft's own (trained, draft vocabulary): only the embedding may come from the target.
+    _load_weights(model, draft_dir, target_model, {"embed_tokens.weight": "embed"})
+    return Eagle3Drafter(model)
+
+
+DRAFT_LOADERS = {"Qwen3DSparkModel": _load_dspark, "LlamaForCausalLMEagle3": _load_eagle3}
+
+
+def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None) -> Drafter:
+    """The drafter saved in `draft_dir` (config.json + model.safetensors), on the target's device, in `dtype`
+    (default: the target's dtype)."""
+    draft_dir = Path(draft_dir)
+    config_dict = json.loads((draft_dir / "config.json").read_text())
+    arch = (config_dict.get("architectures") or [None])[0]
+    if arch not in DRAFT_LOADERS:
+        raise ValueError(f"unknown draft architecture {arch!r} in {draft_dir / 'config.json'}; "
+                         f"known: {', '.join(DRAFT_LOADERS)}")
+    drafter = DRAFT_LOADERS[arch](config_dict, draft_dir, target_model)
+    param = next(target_model.parameters())
+    drafter.model.to(device=param.device, dtype=dtype or param.dtype).requires_grad_(False)
+    return drafter
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The target side
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    # transformers 5 deprecates crop(positive absolute length); a negative count removes tokens in every version.
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+class TargetRunner:
+    """The target with a KV cache; each `forward` also returns the chosen layers' outputs (forward hooks, the same
+    residual-stream convention as modeling.target.capture_hidden_states), concatenated in `layer_ids` order."""
+
+    def __init__(self, model, layer_ids=()):
+        self.model, self.layer_ids = model, list(layer_ids)
+        check_layer_ids(model, self.layer_ids)
+        self.device = _device(model)
+        self.cache = DynamicCache()
+        self.captured: dict[int, torch.Tensor] = {}
+        layers = decoder_layers(model)
+        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+        self.width = len(self.layer_ids) * model.config.get_text_config().hidden_size
+
+    def _hook(self, index):
+        def save(_module, _inputs, output):
+            self.captured[index] = output[0] if isinstance(output, tuple) else output
+        return save
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(self, ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run `ids` after the cached tokens: (logits [n, V], hidden [n, K*H] or None without layer_ids)."""
+        if not ids:
+            empty = torch.zeros(0, self.width, device=self.device, dtype=next(self.model.parameters()).dtype)
+            return None, empty if self.layer_ids else None
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
+                         use_cache=True)
+        hidden = torch.cat([self.captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else None
+        self.captured.clear()
+        return out.logits[0], hidden
+
+    def crop(self, length: int) -> None:
+        crop_cache(self.cache, length)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Acceptance
+
+
+def verify_greedy(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """(accepted count, next token): longest prefix equal to the target argmax, then the target argmax."""
+    argmax = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft_tokens) and draft_tokens[accepted] == argmax[accepted]:
+        accepted += 1
+    return accepted, argmax[accepted]
+
+
+def verify_sampling(draft_tokens: list[int], draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                    temperature: float, generator: torch.Generator) -> tuple[int, int]:
+    """(accepted count, next token) by rejection sampling; draft_probs None = one-hot proposals."""
+    p_target = softmax_t(target_logits, temperature)
+    vocab = p_target.shape[-1]
+    for i, x in enumerate(draft_tokens):
+        if draft_probs is None:
+            q = F.one_hot(torch.tensor(x, device=p_target.device), vocab).to(p_target.dtype)
+        else:  # a draft vocabulary may be padded differently: align it with the target's, zeros outside
+            q = draft_probs[i].to(p_target.dtype)
+            q = q[:vocab] if q.shape[0] >= vocab else F.pad(q, (0, vocab - q.shape[0]))
+        u = torch.rand((), generator=generator, device=generator.device).to(p_target.device)
+        if q[x] > 0 and u * q[x] < p_target[i, x]:  # u < p_t/p_d without dividing by a tiny p_d
+            continue
+        residual = (p_target[i] - q).clamp(min=0)
+        # An all-zero residual means p_t == p_d up to rounding, where rejection has probability 0: fall back to p_t.
+        return i, sample(residual if residual.sum() > 0 else p_target[i], generator)
+    return len(draft_tokens), sample(p_target[len(draft_tokens)], generator)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Results and the loops
+
+
+@dataclass
+class RoundRecord:
+    proposed: int  # drafts verified this round
+    accepted: int  # drafts accepted (tau = accepted + 1 counts the correction/bonus token)
+    accept_flags: list[bool]  # per proposed position: accepted (i.e. the whole prefix up to it survived)
+    confidences: list[float] | None  # DSpark confidence head, per proposed position
+    emitted: int  # tokens appended to the output (accepted + 1, less on EOS / max_new_tokens truncation)
+    cache_len: int  # target KV-cache length after the rollback
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class GenerationResult:
+    ids: list[int]  # generated tokens (prompt excluded); ends with EOS when EOS stopped generation
+    rounds: list[RoundRecord] = field(default_factory=list)
+    wall_s: float = 0.0  # whole call, prefill included
+
+    @property
+    def accept_len(self) -> float:
+        """tau: mean over rounds of accepted drafts + 1 (DeepSpec's accept_len)."""
+        return sum(r.accepted + 1 for r in self.rounds) / max(len(self.rounds), 1)
+
+
+def _eos_set(eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        return set()
+    return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(i) for i in eos_token_id}
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":  # kernels are asynchronous: time what ran, not what was queued
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _emit(out: list[int], new: list[int], max_new_tokens: int, eos: set[int]) -> bool:
+    """Append `new` to `out` up to the budget and through the first EOS; True when generation must stop."""
+    for token in new:
+        out.append(token)
+        if token in eos or len(out) >= max_new_tokens:
+            return True
+    return False
+
+
+@torch.inference_mode()
+def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | None = None, max_new_tokens: int,
+                         temperature: float = 0.0, eos_token_id=None, seed: int = 0,
+                         layer_ids=None) -> GenerationResult:
+    """Generate from `target` with `drafter` proposing up to gamma tokens per round (gamma None: the drafter's
+    default). `layer_ids` defaults to the drafter's; when both are given they must agree."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    if layer_ids is None:
+        layer_ids = drafter.layer_ids
+    elif drafter.layer_ids and list(layer_ids) != list(drafter.layer_ids):
+        raise ValueError(f"layer_ids {list(layer_ids)} differ from the drafter's {drafter.layer_ids}")
+    gamma = drafter.default_gamma if gamma is None else gamma
+    eos, greedy = _eos_set(eos_token_id), is_greedy(temperature)
+    device = _device(target)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    result = GenerationResult([])
+    start = _clock(device)
+    if max_new_tokens <= 0:
+        return result
+    with TargetRunner(target, layer_ids) as runner:
+        # The last prompt token is the first pending token: the first round drafts the first output token, with the
+        # same "context < anchor" view as every later round.
+        _, hidden = runner.forward(prompt[:-1])
+        drafter.reset(prompt, hidden)
+        tokens = prompt
+        while True:
+            t0 = _clock(device)
+            proposal = drafter.propose(gamma, temperature, generator)
+            drafts = list(proposal.tokens[:gamma])
+            t1 = _clock(device)
+            verified = runner.length
+            logits, hidden = runner.forward([tokens[-1]] + drafts)
+            if greedy:
+                accepted, next_token = verify_greedy(drafts, logits)
+            else:
+                probs = None if proposal.probs is None else proposal.probs[: len(drafts)]
+                accepted, next_token = verify_sampling(drafts, probs, logits, temperature, generator)
+            # Keep the old pending token and the accepted drafts; the new pending token is not in the cache yet.
+            runner.crop(verified + accepted + 1)
+            new = drafts[:accepted] + [next_token]
+            before = len(result.ids)
+            stop = _emit(result.ids, new, max_new_tokens, eos)
+            t2 = _clock(device)
+            conf = proposal.confidences[: len(drafts)] if proposal.confidences is not None else None
+            result.rounds.append(RoundRecord(len(drafts), accepted, [i < accepted for i in range(len(drafts))],
+                                             conf, len(result.ids) - before, runner.length, t1 - t0, t2 - t1))
+            if stop:
+                break
+            tokens = tokens + new
+            drafter.accept(accepted, next_token, None if hidden is None else hidden[: accepted + 1])
+    result.wall_s = _clock(device) - start
+    return result
+
+
+@torch.inference_mode()
+def target_generate(target, prompt_ids, max_new_tokens: int, temperature: float = 0.0, eos_token_id=None,
+                    seed: int = 0) -> GenerationResult:
+    """Plain autoregressive decoding with the same cached target (one token per forward)."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("the prompt must hold at least one token")
+    eos = _eos_set(eos_token_id)
+    device = _device(target)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    result = GenerationResult([])
+    start = _clock(device)
+    with TargetRunner(target) as runner:
+        runner.forward(prompt[:-1])  # same cache layout as speculative_generate: the last token is fed per step
+        token = prompt[-1]
+        while len(result.ids) < max_new_tokens:
+            logits, _ = runner.forward([token])
+            token, _ = pick(logits[-1], temperature, generator)
+            if _emit(result.ids, [token], max_new_tokens, eos):
+                break
+    result.wall_s = _clock(device) - start
+    return result

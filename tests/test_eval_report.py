@@ -1,0 +1,71 @@
+"""eval.py end to end on the tiny Qwen3: report files and keys, exact match at T=0, the DSpark calibration and
+scheduler outputs in SGLang's file formats, and the n-gram baseline in the same harness."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from eval.run import acceptance_metrics, run_eval
+from eval.spec_decode import RoundRecord
+from modeling.target import load_target
+from train.algorithms import BlockAlgorithm
+from train.recipe import load_recipe
+
+
+def test_acceptance_metrics_by_hand():
+    rounds = [RoundRecord(3, 3, [True] * 3, None, 4, 0, 0, 0), RoundRecord(3, 1, [True, False, False], None, 2, 0, 0, 0),
+              RoundRecord(2, 0, [False, False], None, 1, 0, 0, 0)]
+    m = acceptance_metrics(rounds, 3)
+    assert m["accept_len"] == pytest.approx((4 + 2 + 1) / 3)
+    assert m["accept_rate_at_k"] == pytest.approx([2 / 3, 1 / 3, 1 / 2])
+    # conditional: position 2 reached by rounds with >= 1 accepted (2 of them), survived by 1
+    assert m["cond_accept_rate_at_k"] == pytest.approx([2 / 3, 1 / 2, 1 / 1])
+    assert m["verify_rate"] == pytest.approx(7 / (4 + 4 + 3))
+
+
+@pytest.fixture(scope="module")
+def random_dspark(tiny_qwen3, tmp_path_factory):
+    recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", "draft.num_layers=1",
+                                             "draft.markov_rank=8", "draft.block_size=3"])
+    torch.manual_seed(0)
+    module = BlockAlgorithm.build(recipe, load_target(str(tiny_qwen3)), None)
+    path = tmp_path_factory.mktemp("draft") / "final"
+    module.save_draft(path)
+    return path
+
+
+def test_eval_writes_the_report_and_is_exact(random_dspark, tiny_qwen3, prompt_file, tmp_path):
+    report = run_eval(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                      out_dir=tmp_path, num_samples=3, temperature=0.0, block_size=None, max_new_tokens=10)
+    for key in ("accept_len", "accept_rate_at_k", "cond_accept_rate_at_k", "exact_match", "spec_tokens_per_s",
+                "target_tokens_per_s", "speedup", "temperature", "num_samples", "block_size"):
+        assert key in report
+    assert report["exact_match"] == 1.0 and report["num_samples"] == 3 and report["block_size"] == 3
+    assert 1.0 <= report["accept_len"] <= 4.0 and len(report["accept_rate_at_k"]) == 3
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["accept_len"] == report["accept_len"]
+    assert "| tau |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "accept_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # DSpark's confidence head: STS and SPS files in the schema SGLang reads, nothing else in them
+    sts = json.loads((tmp_path / "sts.json").read_text())
+    assert set(sts) <= {"temperatures", "dataset", "num_samples", "ece_before", "ece_after"}
+    assert len(sts["temperatures"]) == 3 and all(t > 0 for t in sts["temperatures"])
+    sps = json.loads((tmp_path / "sps_table.json").read_text())
+    assert set(sps) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
+    assert {row["policy"] for row in report["scheduler"]["rows"]} >= {"scheduler", "fixed_gamma=3"}
+
+
+def test_ngram_baseline_from_the_command_line(tiny_qwen3, prompt_file, tmp_path):
+    done = subprocess.run([sys.executable, "eval.py", "--draft", "ngram", "--target", str(tiny_qwen3), "--dataset",
+                           str(prompt_file), "--num-samples", "2", "--max-new-tokens", "8", "--block-size", "3",
+                           "--temperature", "0.8", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "[eval]" in done.stdout and "tau" in done.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["exact_match"] is None and report["temperature"] == 0.8 and report["accept_len"] >= 1.0
+    assert "calibration" not in report  # no confidence head, no calibration

@@ -1,0 +1,445 @@
+"""Speculative decoding loop (eval/spec_decode.py): losslessness at T=0 for every drafter family, forced-perfect and
+forced-wrong proposers, KV-cache rollback, drafter cache equivalence, load_draft, and the T>0 output distribution.
+
+Tiny random models only (target: Llama, vocab 300, 4 layers, hidden 64, float64 so greedy ties cannot flip between
+a batched verify and one-token decoding); CPU, a few seconds plus the distribution test.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eval.spec_decode import (
+    DSparkDrafter,
+    DraftLMDrafter,
+    Drafter,
+    Eagle3Drafter,
+    NgramDrafter,
+    Proposal,
+    TargetRunner,
+    load_draft,
+    speculative_generate,
+    target_generate,
+    verify_sampling,
+)
+from modeling.dspark import DSparkModel, build_dspark_config
+from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping
+from modeling.target import capture_hidden_states
+from train.algorithms import _save
+
+V, H, LAYER_IDS, GAMMA = 300, 64, [0, 1, 3], 4
+PROMPTS = [[7], [3, 14, 15, 92, 65], [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]]
+
+
+def llama(vocab: int, hidden: int, layers: int, seed: int, logit_scale: float) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).double().eval().requires_grad_(False)
+    # Default init gives near-uniform logits (std ~0.16); scaling lm_head gives decisive, non-uniform distributions.
+    model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: intra-op threads only add overhead (3x slower on a shared 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return llama(V, H, 4, seed=0, logit_scale=20.0)
+
+
+def make_dspark(target, *, markov_rank=16, confidence=True, anchor_first=True, head="vanilla", seed=1):
+    config = build_dspark_config(target.config, num_layers=2, block_size=GAMMA, target_layer_ids=LAYER_IDS,
+                                 mask_token_id=5, markov_rank=markov_rank, markov_head_type=head,
+                                 enable_confidence_head=confidence, sample_from_anchor=anchor_first)
+    torch.manual_seed(seed)
+    model = DSparkModel.from_target(config, target).eval()
+    if markov_rank:  # a visible Markov bias, so the left-to-right sampling actually matters
+        model.markov_head.markov_w1.weight.data.mul_(50)  # bias std ~4, like the target's logits
+        model.markov_head.markov_w2.weight.data.mul_(50)
+    return model
+
+
+def make_eagle3(target, seed=2):
+    config = build_eagle3_config(target.config, draft_vocab_size=120, aux_layer_ids=LAYER_IDS, ttt_length=3)
+    counts = torch.randint(0, 50, (V,), generator=torch.Generator().manual_seed(seed))
+    d2t, t2d = build_vocab_mapping(counts, 120)
+    torch.manual_seed(seed)
+    return Eagle3Model.from_target(config, target, d2t, t2d).eval()
+
+
+def make_draft_lm(target, noise=0.002, seed=3):
+    """The target with perturbed weights: agrees often, not always, so both accept and reject paths run."""
+    model = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(seed)
+    for p in model.model.layers[2:].parameters():
+        p.add_(noise * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model
+
+
+def make_drafter(name, target) -> Drafter:
+    if name == "dspark":
+        return DSparkDrafter(make_dspark(target))
+    if name == "dspark-rnn":
+        return DSparkDrafter(make_dspark(target, head="rnn"))
+    if name == "dflash":
+        return DSparkDrafter(make_dspark(target, markov_rank=0, confidence=False, anchor_first=False))
+    if name == "eagle3":
+        return Eagle3Drafter(make_eagle3(target))
+    if name == "ngram":
+        return NgramDrafter()
+    if name == "draft-lm":
+        return DraftLMDrafter(make_draft_lm(target), vocab_size=V)
+    raise KeyError(name)
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the reference continuation (oracle) or a token that differs from it at every position."""
+
+    def __init__(self, prompt, reference, wrong=False):
+        self.prompt_len, self.reference, self.wrong = len(prompt), reference, wrong
+
+    def propose(self, gamma, temperature, generator):
+        done = len(self.tokens) - self.prompt_len
+        tokens = self.reference[done: done + gamma]
+        if self.wrong:
+            tokens = [(t + 1) % V for t in tokens]
+        self.last = Proposal(tokens, None, None)
+        return self.last
+
+
+# --- T=0: output identical to plain greedy decoding ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["dspark", "dspark-rnn", "dflash", "eagle3", "ngram", "draft-lm"])
+def test_greedy_is_lossless(target, name):
+    drafter = make_drafter(name, target)
+    accepted, partial = 0, 0
+    for prompt in PROMPTS:
+        ref = target_generate(target, prompt, 24)
+        spec = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24)
+        assert spec.ids == ref.ids, f"{name}, prompt {prompt}"
+        accepted += sum(r.accepted for r in spec.rounds)
+        partial += sum(0 < r.accepted < r.proposed for r in spec.rounds)
+        assert all(r.proposed <= GAMMA and r.accepted <= r.proposed for r in spec.rounds)
+        # EOS mid-generation: the token emitted at step 6 becomes EOS; output stops right after it.
+        eos = ref.ids[6]
+        ref_eos = target_generate(target, prompt, 24, eos_token_id=eos)
+        spec_eos = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24, eos_token_id=eos)
+        assert spec_eos.ids == ref_eos.ids and spec_eos.ids[-1] == eos and len(spec_eos.ids) <= 7
+        spec_short = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=13)
+        assert spec_short.ids == ref.ids[:13]
+        if name in ("dspark", "dspark-rnn"):
+            conf = [c for r in spec.rounds for c in r.confidences]
+            assert len(conf) == sum(r.proposed for r in spec.rounds) and all(0 < c < 1 for c in conf)
+    if name in ("ngram", "draft-lm"):  # these agree with the target often enough: the accept path really ran
+        assert accepted > 0
+    if name == "draft-lm":  # partial acceptance: the draft LM's own cache was cropped mid-chain
+        assert partial > 0
+
+
+def test_oracle_accepts_everything_and_wrong_accepts_nothing(target):
+    prompt, budget = PROMPTS[1], 13
+    reference = target_generate(target, prompt, budget + GAMMA + 1).ids
+    oracle = speculative_generate(target, ScriptedDrafter(prompt, reference), prompt, gamma=GAMMA,
+                                  max_new_tokens=budget)
+    assert oracle.ids == reference[:budget]
+    assert [r.accepted for r in oracle.rounds] == [GAMMA] * 3
+    assert all(r.accept_flags == [True] * GAMMA for r in oracle.rounds)
+    # 13 = 5 + 5 + 3: tau = gamma+1 per round, and the last round is cut mid-round at the budget.
+    assert [r.emitted for r in oracle.rounds] == [GAMMA + 1, GAMMA + 1, 3]
+    assert oracle.accept_len == GAMMA + 1
+
+    wrong = speculative_generate(target, ScriptedDrafter(prompt, reference, wrong=True), prompt, gamma=GAMMA,
+                                 max_new_tokens=budget)
+    assert wrong.ids == reference[:budget]
+    assert len(wrong.rounds) == budget and wrong.accept_len == 1.0
+    assert all(r.proposed == GAMMA and r.accept_flags == [False] * GAMMA for r in wrong.rounds)
+
+
+def test_draft_lm_copy_of_target_is_always_accepted(target):
+    """A draft LM identical to the target agrees at every position: at T=0 by argmax, at T>0 because p_d == p_t
+    (so this also checks the draft LM's KV-cache bookkeeping and the distributions it reports)."""
+    prompt = PROMPTS[1]
+    for temperature in (0.0, 1.0):
+        drafter = DraftLMDrafter(make_draft_lm(target, noise=0.0), vocab_size=V)
+        result = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=23,
+                                      temperature=temperature, seed=5)
+        assert [r.accepted for r in result.rounds] == [GAMMA] * 5 and len(result.ids) == 23
+        if temperature == 0:
+            assert result.ids == target_generate(target, prompt, 23).ids
+
+
+class SpyDrafter(NgramDrafter):
+    """An n-gram drafter that reads (and records) the target hidden states handed to it."""
+
+    layer_ids = LAYER_IDS
+
+    def reset(self, tokens, target_hidden):
+        super().reset(tokens, target_hidden)
+        self.rows = [target_hidden]
+
+    def accept(self, num_accepted, next_token, target_hidden):
+        super().accept(num_accepted, next_token, target_hidden)
+        self.rows.append(target_hidden)
+
+
+def test_drafter_context_is_the_verified_hidden_states(target):
+    """The context a drafter accumulates (prefill + accepted rows per round) equals the recipe layers' outputs of
+    one full target pass over the verified tokens, position by position."""
+    spy = SpyDrafter()
+    result = speculative_generate(target, spy, PROMPTS[2], gamma=GAMMA, max_new_tokens=30)
+    assert any(r.accepted > 0 for r in result.rounds) and any(r.accepted < r.proposed for r in result.rounds)
+    rows = torch.cat(spy.rows)
+    ids = torch.tensor([spy.tokens[:-1]])
+    expected, _ = capture_hidden_states(target, ids, torch.ones_like(ids), LAYER_IDS)
+    assert rows.shape == expected[0].shape
+    torch.testing.assert_close(rows, expected[0])
+
+
+def test_kv_cache_rollback(target):
+    prompt = PROMPTS[1]
+    reference = target_generate(target, prompt, 10).ids
+    result = speculative_generate(target, ScriptedDrafter(prompt, reference, wrong=True), prompt, gamma=GAMMA,
+                                  max_new_tokens=10)
+    emitted = 0
+    for r in result.rounds:  # every round verified gamma+1 tokens, rejected all drafts, kept only the pending one
+        emitted += r.emitted
+        assert r.accepted == 0 and r.cache_len == len(prompt) + emitted - 1
+
+    # Rolled-back cache gives the same next-token logits as a fresh forward over the kept tokens.
+    with TargetRunner(target, LAYER_IDS) as runner:
+        runner.forward(prompt[:-1])
+        logits, hidden = runner.forward([prompt[-1], 1, 2, 3])
+        assert runner.length == len(prompt) + 3 and hidden.shape == (4, len(LAYER_IDS) * H)
+        runner.crop(len(prompt) + 1)
+        assert runner.length == len(prompt) + 1
+        after, _ = runner.forward([9])
+    fresh = target(torch.tensor([prompt + [1, 9]])).logits[0, -1]
+    torch.testing.assert_close(after[-1], fresh)
+
+
+# --- drafter internals ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dspark_context_cache_matches_recompute(target, kind, temperature):
+    model = make_drafter(kind, target).model
+    cached, recompute = DSparkDrafter(model, use_cache=True), DSparkDrafter(model, use_cache=False)
+    g = torch.Generator().manual_seed(0)
+    tokens = PROMPTS[2]
+    hidden = torch.randn(len(tokens) - 1, len(LAYER_IDS) * H, generator=g, dtype=torch.float64)
+    cached.reset(tokens, hidden)
+    recompute.reset(tokens, hidden)
+    for round_ in range(3):
+        torch.testing.assert_close(cached.block_states(), recompute.block_states(), atol=1e-5, rtol=1e-5)
+        a = cached.propose(GAMMA, temperature, torch.Generator().manual_seed(round_))
+        b = recompute.propose(GAMMA, temperature, torch.Generator().manual_seed(round_))
+        assert a.tokens == b.tokens and len(a.tokens) == GAMMA
+        # Left-to-right Markov sampling == one teacher-forced pass with prev = [anchor, d_1..d_{gamma-1}].
+        with torch.no_grad():
+            states = cached.block_states()
+            prev = torch.tensor([cached.tokens[-1]] + a.tokens[:-1])
+            forced = model.draft_logits(states, prev)
+        if temperature == 0:
+            assert forced.argmax(-1).tolist() == a.tokens
+        else:
+            torch.testing.assert_close(a.probs, torch.softmax(forced, -1), atol=1e-5, rtol=1e-5)
+        if model.confidence_head is not None:
+            with torch.no_grad():
+                expected = torch.sigmoid(model.confidence_logits(states, prev)).tolist()
+            assert a.confidences == pytest.approx(expected, abs=1e-6)
+        if temperature > 0:
+            assert a.probs.shape == (GAMMA, V)
+            torch.testing.assert_close(a.probs, b.probs, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a.probs.sum(-1), torch.ones(GAMMA))
+        if a.confidences is not None:
+            assert a.confidences == pytest.approx(b.confidences, abs=1e-5)
+        accepted = round_ % 3  # 0, 1, 2 drafts accepted: the context grows by accepted + 1 rows
+        rows = torch.randn(accepted + 1, hidden.shape[1], generator=g, dtype=torch.float64)
+        for d in (cached, recompute):
+            d.accept(accepted, 17 + round_, rows)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eagle3_chain_matches_forward_train(target, temperature):
+    model = make_eagle3(target)
+    drafter = Eagle3Drafter(model)
+    g = torch.Generator().manual_seed(0)
+    width = len(LAYER_IDS) * H
+    tokens = list(PROMPTS[1])
+    aux = torch.randn(len(tokens) - 1, width, generator=g)
+    drafter.reset(tokens, aux)
+    kept = torch.arange(model.config.draft_vocab_size) + model.d2t
+    for round_ in range(3):
+        prop = drafter.propose(3, temperature, torch.Generator().manual_seed(round_))
+        n = len(tokens) - 1
+        # TTT step k at position n-1 consumes token n+k: the pending token, then the drafts.
+        ids = torch.tensor([tokens + prop.tokens[:-1]])
+        padded = torch.cat([aux, torch.zeros(len(prop.tokens), width)])[None]
+        with torch.no_grad():
+            steps = model.forward_train(ids, padded, ttt_length=3)
+        for k, h in enumerate(steps):
+            logits = model.step_logits(h)[0, n - 1]
+            if temperature == 0:
+                assert prop.tokens[k] == int(kept[logits.argmax()])
+            else:
+                assert bool(torch.isin(torch.tensor(prop.tokens[k]), kept))
+                torch.testing.assert_close(prop.probs[k][kept], torch.softmax(logits, -1), atol=1e-5, rtol=1e-5)
+                assert float(prop.probs[k].sum()) == pytest.approx(1.0, abs=1e-5)
+        accepted = round_ % 3
+        rows = torch.randn(accepted + 1, width, generator=g)
+        tokens = tokens + prop.tokens[:accepted] + [40 + round_]
+        aux = torch.cat([aux, rows])
+        drafter.accept(accepted, 40 + round_, rows)
+
+
+def test_ngram_lookup():
+    d = NgramDrafter()
+    d.reset([1, 2, 3, 4, 5, 9, 2, 3], None)
+    assert d.propose(3, 0.0, None).tokens == [4, 5, 9]  # trigram miss, bigram [2, 3] matches
+    d.reset([1, 2, 3, 8, 2, 3, 6, 7, 3], None)
+    assert d.propose(2, 0.0, None).tokens == [6, 7]  # unigram [3]: the most recent earlier match wins
+    d.reset([1, 2, 3], None)
+    assert d.propose(4, 0.0, None).tokens == []
+
+
+# --- load_draft ----------------------------------------------------------------------------------------------------
+
+
+def test_load_draft_round_trip(target, tmp_path):
+    dspark = make_dspark(target)
+    _save(dspark, dspark.config, tmp_path / "dspark")
+    loaded = load_draft(tmp_path / "dspark", target)
+    assert isinstance(loaded, DSparkDrafter) and loaded.layer_ids == LAYER_IDS
+    for name, value in dspark.state_dict().items():
+        torch.testing.assert_close(loaded.model.state_dict()[name], value.to(torch.float64))
+
+    # A serving export without the frozen embed_tokens / lm_head copies: both come from the target.
+    state = load_file(str(tmp_path / "dspark" / "model.safetensors"))
+    export = tmp_path / "export"
+    dspark.config.save_pretrained(export)
+    save_file({k: v for k, v in state.items() if k not in ("embed_tokens.weight", "lm_head.weight")},
+              str(export / "model.safetensors"))
+    served = load_draft(export, target)
+    torch.testing.assert_close(served.model.lm_head.weight, target.lm_head.weight)
+    torch.testing.assert_close(served.model.embed_tokens.weight, target.model.embed_tokens.weight)
+
+    eagle = make_eagle3(target)
+    _save(eagle, eagle.config, tmp_path / "eagle3")
+    state = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if k != "embed_tokens.weight"}, str(tmp_path / "eagle3" /
+                                                                                 "model.safetensors"))
+    loaded = load_draft(tmp_path / "eagle3", target)
+    assert isinstance(loaded, Eagle3Drafter) and torch.equal(loaded.model.d2t, eagle.d2t)
+    torch.testing.assert_close(loaded.model.lm_head.weight, eagle.lm_head.weight.double())
+    prompt = PROMPTS[2]
+    assert speculative_generate(target, loaded, prompt, gamma=3, max_new_tokens=8).ids == \
+        target_generate(target, prompt, 8).ids
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text('{"architectures": ["MysteryDrafter"]}')
+    with pytest.raises(ValueError, match="Qwen3DSparkModel"):
+        load_draft(tmp_path / "bad", target)
+
+
+# --- T>0: rejection sampling keeps the target distribution ---------------------------------------------------------
+
+
+def test_verify_sampling_first_token_distribution():
+    """One position, many draws: the emitted token (accepted draft or residual sample) is distributed as p_t."""
+    g = torch.Generator().manual_seed(0)
+    target_logits = torch.tensor([[2.0, 0.5, 0.0, -1.0, 1.0], [0.0] * 5])
+    q = torch.softmax(torch.tensor([-1.0, 2.0, 1.0, 0.0, -2.0]), -1)  # deliberately unlike p_t
+    p = torch.softmax(target_logits[0], -1)
+    n, counts = 20000, torch.zeros(5)
+    for _ in range(n):
+        x = int(torch.multinomial(q, 1, generator=g))
+        accepted, token = verify_sampling([x], q[None], target_logits, 1.0, g)
+        counts[x if accepted else token] += 1
+    # 5 cells: the 99.9% chi-square quantile with 4 degrees of freedom is 18.47.
+    assert float(((counts - n * p) ** 2 / (n * p)).sum()) < 18.47
+
+
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile; z=3.09 is the 99.9% normal quantile."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_pooled(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson statistic with every cell of expected count < 5 pooled into one bin (the usual validity rule)."""
+    n = float(counts.sum())
+    expected = n * probs
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+class FixedDrafter(Drafter):
+    """Context-free proposals: samples of a fixed q, or fixed tokens with no distribution (one-hot, like n-gram)."""
+
+    def __init__(self, q, fixed_tokens=None):
+        self.q, self.fixed, self.first = q, fixed_tokens, []
+
+    def propose(self, gamma, temperature, generator):
+        if self.fixed is not None:
+            tokens, probs = self.fixed[:gamma], None
+        else:
+            tokens = torch.multinomial(self.q, gamma, replacement=True, generator=generator).tolist()
+            probs = self.q.expand(gamma, -1)
+        if len(self.tokens) == 3:  # first round of this run: remember the pure proposal
+            self.first.append(tuple(tokens))
+        self.last = Proposal(tokens, probs, None)
+        return self.last
+
+
+# gamma=2 exercises acceptance at the second position; gamma=1 makes the bonus token the second output token.
+@pytest.mark.parametrize("one_hot, gamma, runs", [(False, 2, 3000), (True, 1, 1500)])
+def test_sampled_output_matches_target_distribution(one_hot, gamma, runs):
+    """Seeded runs of 2 tokens at T=1: the joint law of (x1, x2) over 64 cells matches the target's exact
+    law (Pearson chi-square, cells with expected count < 5 pooled, below the 99.9% quantile: a correct sampler fails
+    1 time in 1000, and the seeds are fixed, so the outcome is deterministic), while the drafter's own proposals are
+    far from it (the same statistic on the first draft vs p(x1) > 10x the quantile), so the check has power."""
+    target8 = llama(8, 16, 1, seed=4, logit_scale=40.0)
+    prompt = [1, 2, 3]
+    with torch.no_grad():  # exact target law: p(x1) from the prompt, p(x2 | x1) from prompt + x1
+        logits = target8(torch.tensor([prompt + [x] for x in range(8)])).logits
+    p1 = torch.softmax(logits[0, -2], -1)
+    joint = (p1[:, None] * torch.softmax(logits[:, -1], -1)).reshape(-1)
+    # Half the target's first-token law, half a skew toward tokens 0/1: drafts are accepted often but not always,
+    # so the accept test, the residual resampling and the bonus token all contribute to the output.
+    skew = torch.softmax(torch.tensor([2.5, 1.5, 0.0, 0.0, 0.0, -1.0, -1.0, -2.0], dtype=torch.float64), -1)
+    # One-hot: propose the target's likeliest first token (accepted with probability p1[x]), then token 0.
+    fixed = [int(p1.argmax()), 0] if one_hot else None
+    drafter = FixedDrafter(0.5 * p1 + 0.5 * skew, fixed_tokens=fixed)
+    counts = torch.zeros(64, dtype=torch.float64)
+    first_accepts = torch.zeros(gamma + 1)
+    for seed in range(runs):
+        result = speculative_generate(target8, drafter, prompt, gamma=gamma, max_new_tokens=2, temperature=1.0,
+                                      seed=seed)
+        counts[result.ids[0] * 8 + result.ids[1]] += 1
+        first_accepts[result.rounds[0].accepted] += 1
+    assert (first_accepts[0] > runs / 20) and (first_accepts[1:].sum() > runs / 20), first_accepts
+    stat, df = chi2_pooled(counts, joint)
+    assert stat < chi2_critical(df), (stat, df)
+    # Power: the first drafted token alone against the target's first-token law.
+    proposed = torch.bincount(torch.tensor([first[0] for first in drafter.first]), minlength=8).double()
+    bad_stat, bad_df = chi2_pooled(proposed, p1)
+    assert bad_stat > 10 * chi2_critical(bad_df), (bad_stat, bad_df)
