@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
+
+from train.stage import atomic_write_json
 
 STS_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after")  # SGLang's DSparkStsCalibration
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 61)  # ~10% steps in T; the local refinement goes finer
@@ -357,7 +357,7 @@ def save_sts(path, temperatures, *, dataset: str | None = None, num_samples: int
         if values is not None:
             obj[key] = [float(v) for v in _as_float(values, key).reshape(-1)]
     _validate_sts(obj)
-    _atomic_write_json(path, obj)
+    atomic_write_json(path, obj)  # validated above: no NaN reaches the file
 
 
 def load_sts(path) -> StsCalibration:
@@ -372,22 +372,3 @@ def load_sts(path) -> StsCalibration:
         return _validate_sts(obj)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from err
-
-
-def _atomic_write_json(path, obj) -> None:
-    """json.dump to a temporary file next to ``path``, fsync, then os.replace (readers never see half a file)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the serving engine may run as another user
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

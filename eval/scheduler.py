@@ -30,14 +30,14 @@ from __future__ import annotations
 import bisect
 import json
 import math
-import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
+
+from train.stage import atomic_write_json
 
 SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  # SGLang's SpsCostTable
 
@@ -111,21 +111,7 @@ class SpsTable:
 
     def save(self, path) -> None:
         """Write the SGLang SpsCostTable JSON atomically (temporary file + os.replace)."""
-        path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp",
-                                   dir=os.path.dirname(os.path.abspath(path)))
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.to_json(), f, indent=2, allow_nan=False)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path) -> "SpsTable":

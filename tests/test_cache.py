@@ -7,7 +7,6 @@ import json
 import os
 import pickle
 import signal
-import struct
 import subprocess
 import sys
 import textwrap
