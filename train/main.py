@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages regenerate,cache --set data.num_prompts=64
     python train/main.py --list-recipes
 
-Stages: regenerate (the target answers the prompts) -> cache (target hidden states) -> train -> eval -> export.
-(export arrives with its issue.)
+Stages: regenerate (the target answers the prompts) -> cache (target hidden states) -> train -> eval -> export
+(an SGLang checkpoint in runs/<recipe>/export/sglang, with the eval's STS calibration beside a DSpark draft).
 Each stage writes into --out (default runs/<recipe>) and is skipped when its output is already complete, so
 rerunning the same command after a crash resumes where it stopped.
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from train.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict  # noqa: E402
 
 STAGES = ("regenerate", "cache", "train", "eval", "export")
-AVAILABLE = ("regenerate", "cache", "train", "eval")  # export arrives with its issue
+AVAILABLE = STAGES
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -119,7 +119,22 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             run_train(recipe, cache, out / "train", dist, target)
         elif name == "eval":
             run_eval_stage(recipe, out, dist)
+        elif name == "export":
+            if dist.is_main:
+                from export.main import export_draft
+
+                sts = out / "eval" / "sts.json"
+                path = export_draft(out / "train" / "final", "sglang", out / "export" / "sglang",
+                                    sts_path=sts if sts.is_file() else None, overwrite=True)
+                print(f"[export] SGLang checkpoint: {path}", flush=True)
+            dist.barrier()
         dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
+    report = out / "eval" / "report.json"
+    if dist.is_main and "eval" in stages and report.is_file():
+        import json
+
+        tau = json.loads(report.read_text())["accept_len"]
+        print(f"[draftsmith] done: accept length tau = {tau:.3f} ({report})", flush=True)
 
 
 def run_eval_stage(recipe, out: Path, dist) -> None:
