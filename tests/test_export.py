@@ -310,7 +310,6 @@ def _sglang_load(jobs: list[dict]) -> dict:
             with torch.no_grad():
                 for v in params.values():
                     v.fill_(sentinel)
-            before = {k: v.detach().clone() for k, v in params.items()}
             exported = load_file(str(Path(job["path"]) / "model.safetensors"))
             model.load_weights(list(exported.items()))
             changed = sorted(k for k, v in params.items() if not (v.detach() == sentinel).all())
