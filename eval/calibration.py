@@ -30,13 +30,12 @@ Inputs may be numpy arrays, torch tensors or nested lists; everything is compute
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from train.stage import atomic_write_json
+from train.stage import atomic_write_json, read_json
 
 STS_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after")  # SGLang's DSparkStsCalibration
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 61)  # ~10% steps in T; the local refinement goes finer
@@ -363,12 +362,4 @@ def save_sts(path, temperatures, *, dataset: str | None = None, num_samples: int
 def load_sts(path) -> StsCalibration:
     """Read and validate an STS file: positive finite temperatures, ECE lists as long as ``temperatures``, correct
     types, no unknown keys. Raises ValueError naming the problem (and the file)."""
-    with open(path) as f:
-        try:
-            obj = json.load(f)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from err
-    try:
-        return _validate_sts(obj)
-    except ValueError as err:
-        raise ValueError(f"{path}: {err}") from err
+    return read_json(path, _validate_sts)

@@ -28,7 +28,6 @@ the paper's Appendix A shows the output distribution then drifts ((0.85, 0.15) i
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import statistics
 import time
@@ -37,7 +36,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from train.stage import atomic_write_json
+from train.stage import atomic_write_json, read_json
 
 SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  # SGLang's SpsCostTable
 
@@ -115,15 +114,7 @@ class SpsTable:
 
     @classmethod
     def load(cls, path) -> "SpsTable":
-        with open(path) as f:
-            try:
-                obj = json.load(f)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}: not valid JSON ({err})") from err
-        try:
-            return cls.from_json(obj)
-        except ValueError as err:
-            raise ValueError(f"{path}: {err}") from err
+        return read_json(path, cls.from_json)
 
 
 def profile_sps(step_fn: Callable[[int], object], batch_tokens: Sequence[int], repeats: int = 3, warmup: int = 1,

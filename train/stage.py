@@ -34,6 +34,19 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
+def read_json(path, validate):
+    """`validate(json.load(path))`, with every error (bad JSON or invalid content) naming the file."""
+    with open(path) as handle:
+        try:
+            obj = json.load(handle)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from err
+    try:
+        return validate(obj)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+
+
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
