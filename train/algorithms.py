@@ -2,8 +2,8 @@
 
 Each algorithm supplies:
   build(recipe, target_model, cache) -> TrainModule   the drafter plus what its loss needs; forward(batch) -> loss out
-  make_batch(recipe, cache, indices, seeds, device)   padded tokens of some cache records (+ anchors, targets) and
-                                                      the batch's loss-weight sum; hidden states: attach_hidden
+  make_batch(recipe, records, seeds, device)   padded tokens of some cache records (+ anchors, targets) and the
+                                              batch's loss-weight sum; hidden states: attach_hidden
   accumulate(totals, out) / summarize(totals, dist, weight_total) -> metrics for the log
 
 DSpark and DFlash share one implementation (DFlash is the DSpark model with markov_rank=0 and the confidence head
@@ -50,10 +50,10 @@ def pad_records(records: list[dict], device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def attach_hidden(batch: dict, cache, indices: list[int], device, dtype) -> dict:
+def attach_hidden(batch: dict, records: list[dict], device, dtype) -> dict:
     """Add the records' padded hidden states, cast to the compute dtype. Done per micro-batch right before its
-    forward, so a large global batch never holds every micro-batch's hidden states at once."""
-    records = [cache[i] for i in indices]
+    forward, so a large global batch never holds every micro-batch's hidden states at once (the records themselves
+    are memory-map views)."""
     width = batch["input_ids"].shape[1]
     hidden = torch.zeros(len(records), width, records[0]["hidden_states"].shape[-1], dtype=dtype)
     last = torch.zeros(len(records), width, records[0]["last_hidden_state"].shape[-1], dtype=dtype)
@@ -109,8 +109,8 @@ class BlockAlgorithm:
         return BlockTrainModule(DSparkModel.from_target(config, target).float(), recipe)
 
     @staticmethod
-    def make_batch(recipe, cache, indices: list[int], seeds: list[tuple], device) -> dict:
-        batch = pad_records([cache[i] for i in indices], device)
+    def make_batch(recipe, records: list[dict], seeds: list[tuple], device) -> dict:
+        batch = pad_records(records, device)
         gamma, num_anchors = recipe.draft.block_size, recipe.draft.num_anchors
         loss_mask = batch["loss_mask"].cpu()
         per_sample = [sample_anchor_positions(loss_mask[i: i + 1], num_anchors, _seeded(*seed))[0]
@@ -183,8 +183,8 @@ class Eagle3Algorithm:
         return Eagle3TrainModule(draft, head, recipe)
 
     @staticmethod
-    def make_batch(recipe, cache, indices: list[int], seeds: list[tuple], device) -> dict:
-        batch = pad_records([cache[i] for i in indices], device)
+    def make_batch(recipe, records: list[dict], seeds: list[tuple], device) -> dict:
+        batch = pad_records(records, device)
         valid = ttt_valid_mask(batch["loss_mask"], batch["attention_mask"], recipe.draft.ttt_length)
         batch["step_valid"] = list(valid)
         decay = recipe.loss.step_loss_decay

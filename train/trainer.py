@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 from train import stage
 from train.algorithms import attach_hidden, get_algorithm
 from train.dist import Dist, fault_point
+from train.recipe import recipe_to_dict
 
 
 # --- data order ---------------------------------------------------------------------------------------------------
@@ -200,7 +201,7 @@ class Logger:
             import wandb
 
             self.wandb = wandb.init(project=recipe.train.wandb_project, name=recipe.name, dir=str(out_dir),
-                                    mode=os.environ.get("WANDB_MODE", "offline"), config=_plain(recipe),
+                                    mode=os.environ.get("WANDB_MODE", "offline"), config=recipe_to_dict(recipe),
                                     resume="allow", id=f"{recipe.name}-{abs(hash(str(out_dir.resolve()))) % 10**8}")
 
     def log(self, step: int, metrics: dict, to_dashboards: bool) -> None:
@@ -226,12 +227,6 @@ class Logger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def _plain(recipe) -> dict:
-    from train.recipe import recipe_to_dict
-
-    return recipe_to_dict(recipe)
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
@@ -288,8 +283,11 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         indices = step_indices(step, len(cache), train.global_batch_size, recipe.seed)
         positions = list(range(dist.rank, len(indices), dist.world_size))  # this rank's places in the global batch
         parts = [positions[i: i + train.micro_batch_size] for i in range(0, len(positions), train.micro_batch_size)]
-        micro = [algo.make_batch(recipe, cache, [indices[p] for p in part], seeds=[(recipe.seed, step, p) for p in part],
-                                 device=dist.device) for part in parts]
+        # Each record is read (and its crc checked) once per step; its hidden states stay memory-map views until
+        # attach_hidden copies them for the micro-batch's forward.
+        records = [[cache[indices[p]] for p in part] for part in parts]
+        micro = [algo.make_batch(recipe, recs, seeds=[(recipe.seed, step, p) for p in part], device=dist.device)
+                 for part, recs in zip(parts, records)]
         weight_total, = dist.sum(sum(b["weight_sum"] for b in micro))
         if weight_total <= 0:
             raise RuntimeError(f"step {step}: no supervised prediction in the global batch; check the cache's loss masks")
@@ -297,9 +295,9 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         totals: dict = {}
         grad_norm = None
         lr = lr_at(step, recipe)
-        for i, (part, batch) in enumerate(zip(parts, micro)):
+        for i, (recs, batch) in enumerate(zip(records, micro)):
             last_micro = i == len(micro) - 1
-            batch = attach_hidden(batch, cache, [indices[p] for p in part], dist.device, input_dtype)
+            batch = attach_hidden(batch, recs, dist.device, input_dtype)
             with engine.sync_context(last_micro), autocast:
                 out = engine.module(batch)
                 # DDP and DeepSpeed average gradients over ranks: × world size undoes that.
