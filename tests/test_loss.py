@@ -191,25 +191,30 @@ def test_chunked_equals_unchunked(chunk_size, use_checkpoint):
     assert torch.equal(out.top1_correct, full.top1_correct)
 
 
+def vocab_sized_saved(run_loss, width: int, **kw) -> list[tuple]:
+    """Shapes of the tensors autograd saves for the backward of `run_loss(**kw)` whose last dim is `width`."""
+    shapes = []
+
+    def pack(x):
+        shapes.append(tuple(x.shape))
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = run_loss(**kw)
+    out.loss_sum.backward()
+    return [s for s in shapes if len(s) >= 2 and s[-1] == width]
+
+
 def test_checkpointed_chunks_save_nothing_vocab_sized():
     """With checkpointing, the graph outside the chunks holds no [.., V] tensor: the backward recomputes them."""
     vocab = 97
     model, b = TinyBlockDrafter(vocab=vocab), make_batch(n=7, vocab=vocab)
 
-    def vocab_sized_saved(**kw):
-        shapes = []
+    def run(**kw):
+        return block_loss(model, **b, **DSPARK, gamma_decay=4.0, chunk_size=2, **kw)
 
-        def pack(x):
-            shapes.append(tuple(x.shape))
-            return x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            out = block_loss(model, **b, **DSPARK, gamma_decay=4.0, chunk_size=2, **kw)
-        out.loss_sum.backward()
-        return [s for s in shapes if len(s) >= 2 and s[-1] == vocab]
-
-    assert (2, 5, vocab) in vocab_sized_saved(use_checkpoint=False)
-    assert vocab_sized_saved(use_checkpoint=True) == []
+    assert (2, 5, vocab) in vocab_sized_saved(run, vocab, use_checkpoint=False)
+    assert vocab_sized_saved(run, vocab, use_checkpoint=True) == []
 
 
 def test_auto_chunk_size():
@@ -382,20 +387,11 @@ def test_eagle3_checkpoint_saves_nothing_vocab_sized():
     inp, _ = eagle3_setup(b=1, t=12, vocab=50)
     vocab_d = int(inp["t2d"].sum())
 
-    def vocab_sized_saved(**kw):
-        shapes = []
+    def run(**kw):
+        return eagle3_loss(**inp, step_decay=0.8, chunk_size=4, **kw)
 
-        def pack(x):
-            shapes.append(tuple(x.shape))
-            return x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            out = eagle3_loss(**inp, step_decay=0.8, chunk_size=4, **kw)
-        out.loss_sum.backward()
-        return [s for s in shapes if len(s) >= 2 and s[-1] == vocab_d]
-
-    assert (1, 4, vocab_d) in vocab_sized_saved(use_checkpoint=False)
-    assert vocab_sized_saved(use_checkpoint=True) == []  # the backward recomputes each chunk's log-probabilities
+    assert (1, 4, vocab_d) in vocab_sized_saved(run, vocab_d, use_checkpoint=False)
+    assert vocab_sized_saved(run, vocab_d, use_checkpoint=True) == []  # the backward recomputes each chunk's log-probabilities
 
 
 def test_all_alphas_zero_is_a_differentiable_zero():

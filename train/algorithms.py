@@ -72,10 +72,17 @@ def _save(module: torch.nn.Module, config, path: Path) -> None:
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
+class _TrainModule(torch.nn.Module):
+    """A drafter (`self.draft`) plus what its loss needs; checkpoints export the drafter alone."""
+
+    def save_draft(self, path: Path) -> None:
+        _save(self.draft, self.draft.config, path)
+
+
 # --- DSpark / DFlash ----------------------------------------------------------------------------------------------
 
 
-class BlockTrainModule(torch.nn.Module):
+class BlockTrainModule(_TrainModule):
     def __init__(self, draft: DSparkModel, recipe):
         super().__init__()
         self.draft, self.recipe = draft, recipe
@@ -91,9 +98,6 @@ class BlockTrainModule(torch.nn.Module):
                           batch["prev_ids"][keep], batch["valid"][keep], ce_alpha=loss.ce_alpha,
                           l1_alpha=loss.l1_alpha, conf_alpha=loss.conf_alpha, gamma_decay=loss.loss_decay_gamma,
                           accept_stats=True)  # DFlash too: the training tau estimate needs the target distribution
-
-    def save_draft(self, path: Path) -> None:
-        _save(self.draft, self.draft.config, path)
 
 
 class BlockAlgorithm:
@@ -151,7 +155,7 @@ class BlockAlgorithm:
 # --- Eagle3 -------------------------------------------------------------------------------------------------------
 
 
-class Eagle3TrainModule(torch.nn.Module):
+class Eagle3TrainModule(_TrainModule):
     def __init__(self, draft: Eagle3Model, target_lm_head: torch.nn.Linear, recipe):
         super().__init__()
         self.draft, self.target_lm_head, self.recipe = draft, target_lm_head.requires_grad_(False), recipe
@@ -162,9 +166,6 @@ class Eagle3TrainModule(torch.nn.Module):
                                                steps)
         return eagle3_loss(self.draft.step_logits, step_hidden, batch["last_hidden_state"], self.target_lm_head,
                            self.draft.t2d, batch["step_valid"], self.recipe.loss.step_loss_decay)
-
-    def save_draft(self, path: Path) -> None:
-        _save(self.draft, self.draft.config, path)
 
 
 class Eagle3Algorithm:
