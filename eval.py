@@ -1,10 +1,16 @@
-"""Evaluate a drafter with a lossless speculative-decoding loop and write report.json / report.md / accept_rate.png.
+r"""Evaluate a drafter with a lossless speculative-decoding loop and write report.json / report.md / accept_rate.png.
 
     python eval.py --draft runs/dspark_smollm2_135m/train/final --target smollm2-135m-instruct --dataset mtbench
     python eval.py --draft ngram --target smollm2-135m-instruct --dataset humaneval --num-samples 8
 
 --draft is a trained draft folder (DSpark, DFlash or Eagle3: config.json + model.safetensors), `ngram` (prompt
 lookup) or `lm:<path or id>` (a small causal LM with the target's tokenizer), so every tau is comparable.
+
+Live check against a serving engine (exports the draft, starts the server, compares live and offline tau, stops it):
+    python eval.py --live --engine vllm --draft runs/dflash_smollm2_135m/train/final --target smollm2-135m-instruct \
+        --dataset mtbench --num-samples 8 --max-new-tokens 64
+vLLM runs from its own venv (`make venv-vllm` builds .venv-vllm; or --engine-python). `--engine sglang` needs a GPU
+for DFLASH/DSPARK. Exit code 1 when the two taus differ by more than --tolerance.
 """
 
 import argparse
@@ -13,7 +19,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from eval.live import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError, print_live_summary,  # noqa: E402
+                       run_live_eval)
 from eval.run import print_summary, run_eval  # noqa: E402
+
+
+def _live(args) -> int:
+    if args.temperature > 0:
+        raise SystemExit("--live compares greedy decoding only: drop --temperature")
+    try:
+        report = run_live_eval(engine=args.engine, draft=args.draft, target_name=args.target, dataset=args.dataset,
+                               out_dir=Path(args.out), num_samples=args.num_samples,
+                               max_new_tokens=args.max_new_tokens, block_size=args.block_size, seed=args.seed,
+                               system_prompt=args.system_prompt, dataset_path=args.dataset_path,
+                               tolerance=args.tolerance, engine_python=args.engine_python, dtype=args.dtype,
+                               startup_timeout=args.startup_timeout, server_args=tuple(args.server_arg))
+    except (ServerStartError, LiveEvalError, ValueError) as exc:
+        print(f"[live] failed: {exc}", file=sys.stderr)
+        return 2
+    print_live_summary(report)
+    print(f"[live] report: {Path(args.out) / 'report.md'}")
+    return 0 if report["within_tolerance"] else 1
 
 
 def main(argv=None) -> int:
@@ -32,7 +58,21 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/eval", help="report folder (default runs/eval)")
     parser.add_argument("--no-scheduler", action="store_true", help="skip the SPS profile and scheduler simulation")
+    live = parser.add_argument_group("live serving check (--live)")
+    live.add_argument("--live", action="store_true", help="serve the draft in --engine and compare with offline tau")
+    live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")
+    live.add_argument("--engine-python", help="python that runs the engine (default: .venv-vllm for vLLM, this one "
+                                              "for SGLang; $DRAFTSMITH_VLLM_PYTHON overrides for vLLM)")
+    live.add_argument("--dtype", help="server dtype (default: float32 for vLLM, so CPU numerics match offline; auto "
+                                      "for SGLang)")
+    live.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
+                      help=f"allowed |tau_live - tau_offline| (default {DEFAULT_TOLERANCE}; see report.md)")
+    live.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server (900)")
+    live.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                      help="extra argument for the server command line (repeatable), e.g. --server-arg=--enforce-eager")
     args = parser.parse_args(argv)
+    if args.live:
+        return _live(args)
     report = run_eval(draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
                       num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,

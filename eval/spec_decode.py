@@ -562,9 +562,12 @@ def _emit(out: list[int], new: list[int], max_new_tokens: int, eos: set[int]) ->
 @torch.inference_mode()
 def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | None = None, max_new_tokens: int,
                          temperature: float = 0.0, eos_token_id=None, seed: int = 0,
-                         layer_ids=None) -> GenerationResult:
+                         layer_ids=None, first_token_from_prefill: bool = False) -> GenerationResult:
     """Generate from `target` with `drafter` proposing up to gamma tokens per round (gamma None: the drafter's
-    default). `layer_ids` defaults to the drafter's; when both are given they must agree."""
+    default). `layer_ids` defaults to the drafter's; when both are given they must agree.
+
+    first_token_from_prefill: take the first output token from the prompt's forward pass, with no draft, as SGLang
+    and vLLM do; drafting starts from the second token (eval/live.py compares rounds with a server this way)."""
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
@@ -581,12 +584,18 @@ def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | N
     if max_new_tokens <= 0:
         return result
     with TargetRunner(target, layer_ids) as runner:
-        # The last prompt token is the first pending token: the first round drafts the first output token, with the
-        # same "context < anchor" view as every later round.
-        _, hidden = runner.forward(prompt[:-1])
-        drafter.reset(prompt, hidden)
-        tokens = prompt
-        while True:
+        if first_token_from_prefill:
+            logits, hidden = runner.forward(prompt)
+            first, _ = pick(logits[-1], temperature, generator)
+            tokens = prompt + [first]
+            done = _emit(result.ids, [first], max_new_tokens, eos)
+        else:
+            # The last prompt token is the first pending token: the first round drafts the first output token, with
+            # the same "context < anchor" view as every later round.
+            _, hidden = runner.forward(prompt[:-1])
+            tokens, done = prompt, False
+        drafter.reset(tokens, hidden)
+        while not done:
             t0 = _clock(device)
             proposal = drafter.propose(gamma, temperature, generator)
             drafts = list(proposal.tokens[:gamma])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -256,6 +257,12 @@ def sglang_config(cfg: dict, algorithm: str) -> dict:
     return out
 
 
+def _vllm_layer_ids(hf_output_ids: list[int]) -> list[int]:
+    """vLLM numbers an aux hidden state by how many decoder layers produced it (id k = the input of layer k), so
+    its ids are our HF layer-output ids + 1. Its speculators reader maps dflash/dspark ids back with k - 1."""
+    return [i + 1 for i in hf_output_ids]
+
+
 def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
     """A speculators-format config.json (vLLM reads `speculators_config` + `transformer_layer_config`)."""
     if algorithm == "eagle3":
@@ -266,7 +273,7 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
         out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                "transformer_layer_config": layer, "draft_vocab_size": int(cfg["draft_vocab_size"]),
                "target_hidden_size": int(cfg.get("target_hidden_size") or cfg["hidden_size"]),
-               "eagle_aux_hidden_state_layer_ids": _eagle3_layer_ids(cfg),
+               "eagle_aux_hidden_state_layer_ids": _vllm_layer_ids(_eagle3_layer_ids(cfg)),
                "norm_before_residual": False}
         speculative_tokens = int(cfg.get("ttt_length", 3) or 3)
     else:
@@ -276,7 +283,8 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
         name = "DFlashSpeculator" if algorithm == "dflash" else "DSparkSpeculator"
         rank = int(cfg.get("markov_rank", 0) or 0)
         out = {"architectures": [name], "speculators_model_type": algorithm, "transformer_layer_config": layer,
-               "draft_vocab_size": int(cfg["vocab_size"]), "aux_hidden_state_layer_ids": _block_layer_ids(cfg),
+               "draft_vocab_size": int(cfg["vocab_size"]),
+               "aux_hidden_state_layer_ids": _vllm_layer_ids(_block_layer_ids(cfg)),
                "block_size": int(cfg["block_size"]), "mask_token_id": int(cfg["mask_token_id"]),
                "sample_from_anchor": bool(cfg.get("sample_from_anchor", True))}
         if algorithm == "dspark":
@@ -409,6 +417,23 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
     return out_dir
 
 
+def serve_command(checkpoint_dir, to: str, out_dir, target: str | None = None) -> str:
+    """The command line that serves the export at `out_dir` (made from the trained draft in `checkpoint_dir`)."""
+    from eval.live import sglang_command, vllm_command
+
+    cfg = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    algorithm = detect_algorithm(cfg)
+    gamma = int(cfg.get("ttt_length", 7) if algorithm == "eagle3" else cfg["block_size"])
+    target = target or "<target model path or id>"
+    if to == "vllm":
+        argv = vllm_command("python", target, Path(out_dir), algorithm, gamma, 8000, dtype="auto")
+    else:
+        sts = Path(out_dir) / "sts.json"
+        argv = sglang_command("python", target, Path(out_dir), algorithm, gamma, 30000,
+                              sts_path=sts if sts.is_file() else None)
+    return " ".join(shlex.quote(a) for a in argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="export/main.py",
@@ -435,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export failed: {exc}", file=sys.stderr)
         return 2
     print(out)
+    print(f"serve it with:\n  {serve_command(args.checkpoint, args.to, out, args.verifier)}", file=sys.stderr)
     return 0
 
 

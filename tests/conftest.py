@@ -110,3 +110,15 @@ def run_cli(args, env_extra=None, torchrun=None):
     return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+
+
+# --- figures worth seeing in a CI log (the live serving checks append here) -----------------------------------------
+
+LIVE_SUMMARY: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if LIVE_SUMMARY:
+        terminalreporter.section("live serving checks")
+        for line in LIVE_SUMMARY:
+            terminalreporter.write_line(line)

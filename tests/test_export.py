@@ -193,10 +193,10 @@ def test_vllm_speculators_config(tmp_path, kind):
     assert "embed_tokens.weight" in state
     if kind == "eagle3":
         assert cfg["architectures"] == ["Eagle3Speculator"]
-        assert cfg["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # vLLM counts layers run: HF output id + 1
         assert any(k.startswith("layers.0.") for k in state) and not any(k.startswith("midlayer") for k in state)
     else:
-        assert cfg["aux_hidden_state_layer_ids"] == [0, 2, 3] and cfg["block_size"] == 4
+        assert cfg["aux_hidden_state_layer_ids"] == [1, 3, 4] and cfg["block_size"] == 4
 
 
 # ---------------------------------------------------------------------------------------------------------------------

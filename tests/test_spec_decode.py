@@ -143,6 +143,10 @@ def test_greedy_is_lossless(target, name):
         assert spec_eos.ids == ref_eos.ids and spec_eos.ids[-1] == eos and len(spec_eos.ids) <= 7
         spec_short = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=13)
         assert spec_short.ids == ref.ids[:13]
+        # As the serving engines do (eval/live.py): the first token comes from the prefill, with no round.
+        spec_prefill = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24,
+                                            first_token_from_prefill=True)
+        assert spec_prefill.ids == ref.ids and sum(r.emitted for r in spec_prefill.rounds) == len(ref.ids) - 1
         if name in ("dspark", "dspark-rnn"):
             conf = [c for r in spec.rounds for c in r.confidences]
             assert len(conf) == sum(r.proposed for r in spec.rounds) and all(0 < c < 1 for c in conf)
@@ -163,6 +167,9 @@ def test_oracle_accepts_everything_and_wrong_accepts_nothing(target):
     # 13 = 5 + 5 + 3: tau = gamma+1 per round, and the last round is cut mid-round at the budget.
     assert [r.emitted for r in oracle.rounds] == [GAMMA + 1, GAMMA + 1, 3]
     assert oracle.accept_len == GAMMA + 1
+    prefill = speculative_generate(target, ScriptedDrafter(prompt, reference), prompt, gamma=GAMMA,
+                                   max_new_tokens=budget, first_token_from_prefill=True)
+    assert prefill.ids == reference[:budget] and [r.emitted for r in prefill.rounds] == [GAMMA + 1, GAMMA + 1, 2]
 
     wrong = speculative_generate(target, ScriptedDrafter(prompt, reference, wrong=True), prompt, gamma=GAMMA,
                                  max_new_tokens=budget)

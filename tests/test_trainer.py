@@ -87,6 +87,9 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     exported = json.loads((out / "export" / "sglang" / "config.json").read_text())
     expected = {"dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel", "eagle3": "LlamaForCausalLMEagle3"}
     assert exported["architectures"] == [expected[family]]
+    algorithm = {"dspark": "DSPARK", "dflash": "DFLASH", "eagle3": "EAGLE3"}[family]
+    assert (f"--speculative-algorithm {algorithm} --speculative-draft-model-path {out / 'export' / 'sglang'}"
+            in done.stdout)  # the exact serving command
     assert f"tau = {report['accept_len']:.3f}" in done.stdout
 
 

