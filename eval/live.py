@@ -308,7 +308,7 @@ def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
 
 @dataclass
 class SpecCounters:
-    """Server-wide speculative-decoding counters (cumulative)."""
+    """Speculative-decoding counters: cumulative server-wide ones, or one request's (a difference of them)."""
 
     drafts: float = 0.0  # verify steps that carried drafts
     draft_tokens: float = 0.0
@@ -382,7 +382,7 @@ def sglang_server_accept_length(server_info: dict) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Clients: send one prompt (token ids, greedy), return the generated ids and, for SGLang, that request's counters
+# Clients: send one prompt (token ids, greedy), return the generated ids and that request's counters
 
 
 def vllm_generate(server: LiveServer, model: str, prompt_ids: list[int], max_new_tokens: int
@@ -427,9 +427,8 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     """Export `draft` for `engine`, serve it, compare live and offline acceptance; writes OUT/report.json and .md."""
     import torch
 
-    from data.chat import build_messages, render_prompt_ids
     from data.prompts import eval_prompts
-    from eval.run import acceptance_metrics
+    from eval.run import acceptance_metrics, first_turn_ids
     from eval.spec_decode import load_draft, speculative_generate
     from export.main import detect_algorithm, export_draft
     from modeling.target import load_target, load_tokenizer, resolve_target
@@ -457,8 +456,7 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     drafter = load_draft(draft_dir, target)
     gamma = block_size or drafter.default_gamma
     prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
-    prompt_ids = [render_prompt_ids(tokenizer, build_messages([p.turns[0]], [], system_prompt),
-                                    enable_thinking=enable_thinking) for p in prompts]
+    prompt_ids = [first_turn_ids(tokenizer, p, system_prompt, enable_thinking) for p in prompts]
     offline_outputs, offline_rounds, offline_counts = [], [], []
     for ids in prompt_ids:
         result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
@@ -469,10 +467,8 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     offline = acceptance_metrics(offline_rounds, gamma)
     del target, drafter
 
-    served = out_dir / "served-draft"
-    if served.exists():
-        shutil.rmtree(served)
-    export_draft(draft_dir, engine, served, algorithm=algorithm, verifier=target_path)
+    served = export_draft(draft_dir, engine, out_dir / "served-draft", algorithm=algorithm, verifier=target_path,
+                          overwrite=True)
     port = free_port()
     if engine == "vllm":
         # No GPU here: skip torch.compile (minutes on CPU, same numerics).

@@ -50,6 +50,12 @@ def acceptance_metrics(rounds, gamma: int) -> dict:
     }
 
 
+def first_turn_ids(tokenizer, prompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:
+    """The prompt ids an eval sends: the first user turn, rendered with the training chat-template handling."""
+    return render_prompt_ids(tokenizer, build_messages([prompt.turns[0]], [], system_prompt),
+                             enable_thinking=enable_thinking)
+
+
 def make_drafter(draft: str, target, gamma: int):
     """A trained draft folder, `ngram`, or `lm:<path or id>` (a small causal LM with the target's tokenizer)."""
     if draft == "ngram":
@@ -83,8 +89,7 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     samples, rounds = [], []
     spec_time = target_time = spec_tokens = target_tokens = 0.0
     for i, prompt in enumerate(tqdm(prompts, desc=f"eval {dataset}", unit="prompt")):
-        messages = build_messages([prompt.turns[0]], [], system_prompt)
-        ids = render_prompt_ids(tokenizer, messages, enable_thinking=enable_thinking)
+        ids = first_turn_ids(tokenizer, prompt, system_prompt, enable_thinking)
         reference = target_generate(target, ids, max_new_tokens, temperature, tokenizer.eos_token_id, seed=seed + i)
         result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
                                       temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed + i)

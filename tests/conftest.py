@@ -89,10 +89,12 @@ def tiny_overrides(tiny_qwen3, prompt_file, **extra):
         "cache.batch_size": 2,
     }
     sets.update(extra)
-    args = []
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    return args
+    return set_args(sets)
+
+
+def set_args(sets: dict) -> list[str]:
+    """`--set key=value` arguments for train/main.py."""
+    return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
 
 
 def tree_digest(folder: Path) -> dict:
@@ -108,8 +110,6 @@ def run_cli(args, env_extra=None, torchrun=None):
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
         "train/main.py"]
     return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-
-
 
 
 # --- figures worth seeing in a CI log (the live serving checks append here) -----------------------------------------

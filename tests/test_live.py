@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 from eval.live import (LiveServer, ServerStartError, SpecCounters, default_engine_python, free_port,  # noqa: E402
                        parse_prometheus, sglang_request_counters, sglang_server_accept_length, tagged_processes,
                        vllm_command, vllm_spec_counters)
-from conftest import LIVE_SUMMARY, run_cli  # noqa: E402
+from conftest import LIVE_SUMMARY, run_cli, set_args  # noqa: E402
 
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
 
@@ -284,9 +284,7 @@ def test_live_vllm_accept_length_matches_offline(vllm_python, live_prompts, tmp_
             "train.global_batch_size": 4, "train.zero_stage": 0, "train.lr": 3.0e-3, "train.save_every": 1000,
             **TRAIN_SETS[family]}
     args = ["--recipe", f"{family}_smollm2_135m", "--stages", "regenerate,cache,train", "--out", str(tmp_path / "run")]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    done = run_cli(args, env_extra={"OMP_NUM_THREADS": "2"})
+    done = run_cli(args + set_args(sets), env_extra={"OMP_NUM_THREADS": "2"})
     assert done.returncode == 0, done.stderr[-4000:]
 
     out = tmp_path / "live"
