@@ -362,15 +362,12 @@ def sglang_request_counters(meta_info: dict) -> SpecCounters:
                             "was the server started with --speculative-algorithm?")
     steps = float(meta_info["spec_verify_ct"])
     histogram = [float(v) for v in meta_info.get("spec_correct_drafts_histogram") or []]
-    if "spec_num_correct_drafts" in meta_info:
-        accepted = float(meta_info["spec_num_correct_drafts"])
-    elif histogram:
-        accepted = sum(k * v for k, v in enumerate(histogram))
-    else:  # completion_tokens / verify_ct counts the prefill token as well
-        accepted = float(meta_info["spec_accept_length"]) * steps - steps
+    # SGLang sets spec_num_correct_drafts and spec_num_proposed_drafts in the same block as spec_verify_ct
+    # (TokenizerManager._calculate_spec_decoding_metrics), so there is nothing to fall back on.
+    accepted = float(meta_info["spec_num_correct_drafts"])
     # histogram[j] = steps that accepted exactly j drafts: steps reaching position k accept >= k
     per_pos = [sum(histogram[k:]) for k in range(1, len(histogram))]
-    proposed = float(meta_info.get("spec_num_proposed_drafts", 0.0))
+    proposed = float(meta_info["spec_num_proposed_drafts"])
     return SpecCounters(steps, proposed, accepted, per_pos)
 
 
