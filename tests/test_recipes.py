@@ -88,6 +88,8 @@ def test_bad_choice_and_range():
         load_recipe("dspark_smollm2_135m", ["draft.markov_head_type=lstm"])
     with pytest.raises(RecipeError, match=r"data.num_prompts must be > 0"):
         load_recipe("dspark_smollm2_135m", ["data.num_prompts=0"])
+    with pytest.raises(RecipeError, match=r"train.keep_checkpoints must be >= 0, got -1"):
+        load_recipe("dspark_smollm2_135m", ["train.keep_checkpoints=-1"])
     with pytest.raises(RecipeError, match=r"eagle3 reads 3 auxiliary layers"):
         load_recipe("eagle3_smollm2_135m", ["target.layer_ids=[1, 2]"])
 

@@ -53,11 +53,13 @@ def metrics(out):
 def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, prompt_file, tmp_path):
     out = copy_run(prepared, family, tmp_path / "run")
     done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",
-                              **{"train.max_steps": 10, "train.save_every": 5, "eval.dataset": str(prompt_file),
+                              **{"train.max_steps": 10, "train.save_every": 5, "train.keep_checkpoints": 0,
+                                 "eval.dataset": str(prompt_file),
                                  "eval.num_samples": 2, "eval.max_new_tokens": 8, "train.wandb_project": "ds-test"}))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 11))
+    assert sorted(p.name for p in (out / "train" / "checkpoints").glob("step-*")) == ["step-0000005", "step-0000010"]
     assert rows[-1]["loss"] < rows[0]["loss"]
     for row in rows:
         assert len(row["accept_rate"]) == 3 and 1.0 <= row["tau"] <= 4.0
@@ -110,6 +112,8 @@ def test_kill_and_resume_continues_bit_exact(zero_stage, prepared, tiny_qwen3, p
     a = load_file(str(clean / "train" / "final" / "model.safetensors"))
     b = load_file(str(crashed / "train" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # saves at 2 (killed run), 4 and 6: only the newest two (train.keep_checkpoints default) stay on disk
+    assert sorted(p.name for p in (crashed / "train" / "checkpoints").glob("step-*")) == ["step-0000004", "step-0000006"]
 
 
 def test_two_rank_zero2_matches_one_rank(prepared, tiny_qwen3, prompt_file, tmp_path):

@@ -138,6 +138,8 @@ class TrainConfig:
     #: 0 = plain DDP; 1-3 = DeepSpeed ZeRO stage.
     zero_stage: int = 0
     save_every: int = 1000
+    #: checkpoints kept on disk (newest first); older ones are deleted once a newer one is complete. 0 keeps all.
+    keep_checkpoints: int = 2
     log_every: int = 10
     wandb_project: Optional[str] = None
 
@@ -329,7 +331,8 @@ def _check_values(recipe: Recipe) -> None:
         problems.append(f"target.layer_ids: eagle3 reads 3 auxiliary layers, got {recipe.target.layer_ids}")
     if recipe.regen.backend == "openai" and not recipe.regen.server_urls:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
-    if recipe.draft.markov_rank < 0:
-        problems.append(f"draft.markov_rank must be >= 0, got {recipe.draft.markov_rank}")
+    non_negative = {"draft.markov_rank": recipe.draft.markov_rank,
+                    "train.keep_checkpoints": recipe.train.keep_checkpoints}
+    problems += [f"{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
     if problems:
         raise RecipeError(f"recipe '{recipe.name}' is invalid:\n  " + "\n  ".join(problems))

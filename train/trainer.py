@@ -87,6 +87,17 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
     return path
 
 
+def prune_checkpoints(ckpt_root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` step folders (0 keeps all). Called only after `latest` names a complete
+    newer checkpoint, so a crash mid-delete still leaves one to resume from; a half-deleted old folder is just
+    deleted again next time."""
+    steps = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
+    stale = steps[:-keep] if keep > 0 else []
+    for path in stale:
+        shutil.rmtree(path)
+    return stale
+
+
 def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
     state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
     if engine.kind == "deepspeed":
@@ -327,6 +338,8 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('tau', 0):.2f}", tok_s=f"{tokens / elapsed:.0f}")
         if (step + 1) % train.save_every == 0 or step + 1 == train.max_steps:
             save_checkpoint(engine, module, engine.optimizer, step + 1, ckpt_root, dist, {"first_metrics": first})
+            if dist.is_main:
+                prune_checkpoints(ckpt_root, train.keep_checkpoints)
         fault_point("train", step + 1)
     bar.close()
     logger.close()
