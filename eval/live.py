@@ -249,8 +249,14 @@ class LiveServer:
             if self.proc is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=self.stop_timeout)
-            while self.pgid is not None and group_alive(self.pgid):  # workers outliving the leader, being reaped
+            # Workers outliving the leader are being reaped; bounded, as a container whose init never reaps
+            # zombies keeps them listed in the group forever.
+            deadline = time.monotonic() + self.stop_timeout
+            while self.pgid is not None and group_alive(self.pgid) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            if self.pgid is not None and group_alive(self.pgid):
+                print(f"[live] warning: process group {self.pgid} is still listed {self.stop_timeout:.0f} s after "
+                      f"SIGKILL (zombies this machine's init does not reap?); not waiting longer", flush=True)
             for pid in tagged_processes(self.tag):  # anything that left the group (setsid) but is still the server's
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)

@@ -97,6 +97,22 @@ def test_server_ignoring_sigterm_is_killed(tmp_path):
     assert tagged_processes(server.tag) == [] and time.monotonic() - t0 < 30
 
 
+def test_group_never_emptying_does_not_hang_stop(tmp_path, monkeypatch, capsys):
+    """A group that stays listed after SIGKILL (zombies an init never reaps) costs stop_timeout, not forever."""
+    import eval.live as live
+
+    server = fake_server("stubborn", tmp_path, stop_timeout=1)
+    server.start()
+    real_group_alive = live.group_alive
+    monkeypatch.setattr(live, "group_alive", lambda pgid: True)
+    t0 = time.monotonic()
+    server.stop()
+    assert time.monotonic() - t0 < 10
+    assert "still listed" in capsys.readouterr().out
+    monkeypatch.setattr(live, "group_alive", real_group_alive)
+    assert tagged_processes(server.tag) == []
+
+
 def test_missing_engine_python_fails_before_any_work(tmp_path):
     from eval.live import run_live_eval
 
