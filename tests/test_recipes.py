@@ -90,6 +90,8 @@ def test_bad_choice_and_range():
         load_recipe("dspark_smollm2_135m", ["data.num_prompts=0"])
     with pytest.raises(RecipeError, match=r"train.keep_checkpoints must be >= 0, got -1"):
         load_recipe("dspark_smollm2_135m", ["train.keep_checkpoints=-1"])
+    with pytest.raises(RecipeError, match=r"train.zero_stage must be 0 \(DDP\), 1 or 2 .*got 3"):
+        load_recipe("dspark_smollm2_135m", ["train.zero_stage=3"])
     with pytest.raises(RecipeError, match=r"eagle3 reads 3 auxiliary layers"):
         load_recipe("eagle3_smollm2_135m", ["target.layer_ids=[1, 2]"])
 

@@ -135,7 +135,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
-    #: 0 = plain DDP; 1-3 = DeepSpeed ZeRO stage.
+    #: 0 = plain DDP; 1 or 2 = DeepSpeed ZeRO stage (3 is refused: see _check_values).
     zero_stage: int = 0
     save_every: int = 1000
     #: checkpoints kept on disk (newest first); older ones are deleted once a newer one is complete. 0 keeps all.
@@ -334,5 +334,10 @@ def _check_values(recipe: Recipe) -> None:
     non_negative = {"draft.markov_rank": recipe.draft.markov_rank,
                     "train.keep_checkpoints": recipe.train.keep_checkpoints}
     problems += [f"{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
+    if recipe.train.zero_stage not in (0, 1, 2):
+        # ZeRO-3 frees each parameter after the forward; the chunked loss recomputes the logits with the
+        # lm_head in the backward and finds it empty. A drafter's weights and Adam state fit ZeRO-2.
+        problems.append(f"train.zero_stage must be 0 (DDP), 1 or 2 (DeepSpeed ZeRO), got {recipe.train.zero_stage}: "
+                        f"ZeRO-3 is not supported (the loss reads the lm_head outside the forward); use 2")
     if problems:
         raise RecipeError(f"recipe '{recipe.name}' is invalid:\n  " + "\n  ".join(problems))
