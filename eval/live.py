@@ -231,32 +231,22 @@ class LiveServer:
             return False
 
     def stop(self) -> None:
-        """SIGTERM to the whole group, SIGKILL after stop_timeout; returns once no process of the group is left."""
+        """SIGTERM to the whole group, SIGKILL after stop_timeout; returns once no process of the group is left (or,
+        should it never empty, stop_timeout after the SIGKILL)."""
         try:
             if self.pgid is not None and group_alive(self.pgid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.pgid, signal.SIGTERM)
-                deadline = time.monotonic() + self.stop_timeout
-                while group_alive(self.pgid) and time.monotonic() < deadline:
-                    if self.proc is not None:
-                        self.proc.poll()  # reap the leader so the group can empty
-                    time.sleep(0.2)
-                if group_alive(self.pgid):
+                if not self._wait_group_gone():
                     print(f"[live] server group {self.pgid} ignored SIGTERM for {self.stop_timeout:.0f} s: SIGKILL",
                           flush=True)
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(self.pgid, signal.SIGKILL)
-            if self.proc is not None:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=self.stop_timeout)
-            # Workers outliving the leader are being reaped; bounded, as a container whose init never reaps
-            # zombies keeps them listed in the group forever.
-            deadline = time.monotonic() + self.stop_timeout
-            while self.pgid is not None and group_alive(self.pgid) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if self.pgid is not None and group_alive(self.pgid):
-                print(f"[live] warning: process group {self.pgid} is still listed {self.stop_timeout:.0f} s after "
-                      f"SIGKILL (zombies this machine's init does not reap?); not waiting longer", flush=True)
+                    if not self._wait_group_gone():
+                        # Bounded: a container whose init never reaps zombies keeps them listed in the group.
+                        print(f"[live] warning: process group {self.pgid} is still listed {self.stop_timeout:.0f} s "
+                              f"after SIGKILL (zombies this machine's init does not reap?); not waiting longer",
+                              flush=True)
             for pid in tagged_processes(self.tag):  # anything that left the group (setsid) but is still the server's
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
@@ -265,6 +255,15 @@ class LiveServer:
                 with contextlib.suppress(ValueError):
                     signal.signal(signal.SIGTERM, self._old_sigterm)
                 self._old_sigterm = None
+
+    def _wait_group_gone(self) -> bool:
+        """Wait up to stop_timeout for the group to empty, reaping the leader (our child) so it can; True if it did."""
+        deadline = time.monotonic() + self.stop_timeout
+        while group_alive(self.pgid) and time.monotonic() < deadline:
+            if self.proc is not None:
+                self.proc.poll()
+            time.sleep(0.1)
+        return not group_alive(self.pgid)
 
     # HTTP helpers
 
@@ -479,12 +478,12 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
         argv = vllm_command(python, target_path, served, algorithm, gamma, port, dtype=dtype or "float32",
                             extra=eager + tuple(server_args))
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        generate, model_name = vllm_generate, target_path
+        generate = vllm_generate
     else:
         sts = served / "sts.json"
         argv = sglang_command(python, target_path, served, algorithm, gamma, port, dtype=dtype or "auto",
                               sts_path=sts if sts.is_file() else None, extra=server_args)
-        env, generate, model_name = {}, sglang_generate, target_path
+        env, generate = {}, sglang_generate
 
     live_outputs, per_request = [], []
     start = time.monotonic()
@@ -492,7 +491,7 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
                     startup_timeout=startup_timeout) as server:
         t0 = time.monotonic()
         for ids in prompt_ids:  # one at a time: no batching effects on the numerics
-            out, counters = generate(server, model_name, ids, max_new_tokens)
+            out, counters = generate(server, target_path, ids, max_new_tokens)
             live_outputs.append(out)
             per_request.append(counters)
         gen_s = time.monotonic() - t0
