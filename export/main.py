@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eval.calibration import load_sts
+
 TARGETS = ("sglang", "vllm")
 ALGORITHMS = ("eagle3", "dflash", "dspark")
 STS_FILENAME = "sts.json"
@@ -380,19 +382,16 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
                  "intermediate_size")
         entries = block_key_map(cfg, algorithm, keep_embed_head=to == "vllm")
     state = load_file(str(weights_path))
+    tensors = _validate(state, entries)  # shapes/dtypes first, so the mapping check sees well-formed tensors
     if algorithm == "eagle3":
-        _validate(state, entries)  # shapes/dtypes first, so the mapping check sees well-formed tensors
         _check_eagle3_mapping(cfg, state)
-    tensors = _validate(state, entries)
     out_cfg = sglang_config(cfg, algorithm) if to == "sglang" else vllm_config(cfg, algorithm, verifier)
 
     sts = Path(sts_path) if sts_path is not None else checkpoint_dir / STS_FILENAME
     if sts_path is not None and not sts.is_file():
         raise FileNotFoundError(f"sts file {sts} not found")
     if sts.is_file():
-        calibration = json.loads(sts.read_text())
-        if not isinstance(calibration, dict) or not isinstance(calibration.get("temperatures"), list):
-            raise ValueError(f"{sts}: a DSpark confidence calibration needs a 'temperatures' list")
+        load_sts(sts)  # the eval stage's own reader: refuses what SGLang would misread, naming the file
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
@@ -417,12 +416,13 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
     return out_dir
 
 
-def serve_command(checkpoint_dir, to: str, out_dir, target: str | None = None) -> str:
-    """The command line that serves the export at `out_dir` (made from the trained draft in `checkpoint_dir`)."""
+def serve_command(checkpoint_dir, to: str, out_dir, target: str | None = None, algorithm: str | None = None) -> str:
+    """The command line that serves the export at `out_dir` (made from the trained draft in `checkpoint_dir`, as
+    `algorithm`: the one export_draft was given, None when it detected it)."""
     from eval.live import sglang_command, vllm_command
 
     cfg = json.loads((Path(checkpoint_dir) / "config.json").read_text())
-    algorithm = detect_algorithm(cfg)
+    algorithm = algorithm or detect_algorithm(cfg)
     gamma = int(cfg.get("ttt_length", 7) if algorithm == "eagle3" else cfg["block_size"])
     target = target or "<target model path or id>"
     if to == "vllm":
@@ -460,7 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export failed: {exc}", file=sys.stderr)
         return 2
     print(out)
-    print(f"serve it with:\n  {serve_command(args.checkpoint, args.to, out, args.verifier)}", file=sys.stderr)
+    print(f"serve it with:\n  {serve_command(args.checkpoint, args.to, out, args.verifier, args.algorithm)}",
+          file=sys.stderr)
     return 0
 
 

@@ -126,6 +126,12 @@ def test_sts_copied_for_dspark(tmp_path):
     (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.1, 1.2, 1.3]}))
     out = export_draft(ckpt, "sglang", tmp_path / "out")
     assert json.loads((out / "sts.json").read_text())["temperatures"][1] == 1.1
+    # a file SGLang would misread is refused by the eval stage's own STS reader, naming the file, and writes nothing
+    bad = tmp_path / "bad-sts.json"
+    bad.write_text(json.dumps({"temperatures": [1.0, -1.0, 1.2, 1.3]}))
+    with pytest.raises(ValueError, match=r"bad-sts\.json.*temperatures\[1\]"):
+        export_draft(ckpt, "sglang", tmp_path / "out-bad", sts_path=bad)
+    _no_leftovers(tmp_path / "out-bad")
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -170,6 +176,11 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert "export as DSPARK" in capsys.readouterr().err
     ok = make_block_draft(tmp_path / "ok", markov_rank=0, sample_from_anchor=False)
     assert export_main(["--checkpoint", str(ok), "--to", "sglang", "--out", str(tmp_path / "o2")]) == 0
+    assert "--speculative-algorithm DFLASH" in capsys.readouterr().err
+    # a forced algorithm is the one the printed serve command names, not the detected one
+    assert export_main(["--checkpoint", str(ok), "--to", "vllm", "--out", str(tmp_path / "o3"),
+                        "--algorithm", "dspark"]) == 0
+    assert '"method": "dspark"' in capsys.readouterr().err
     help_text = subprocess.run([sys.executable, str(ROOT / "export" / "main.py"), "--help"], capture_output=True,
                                text=True, check=True).stdout
     assert "--checkpoint" in help_text and "DFLASH" in help_text
