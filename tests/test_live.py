@@ -26,14 +26,10 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from eval.live import (LiveServer, ServerStartError, SpecCounters, default_engine_python, free_port,  # noqa: E402
+from conftest import LIVE_SUMMARY, ROOT, run_cli, set_args
+from eval.live import (LiveServer, ServerStartError, SpecCounters, default_engine_python, free_port,
                        parse_prometheus, sglang_request_counters, sglang_server_accept_length, tagged_processes,
                        vllm_command, vllm_spec_counters)
-from conftest import LIVE_SUMMARY, run_cli, set_args  # noqa: E402
 
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
 
@@ -103,13 +99,12 @@ def test_group_never_emptying_does_not_hang_stop(tmp_path, monkeypatch, capsys):
 
     server = fake_server("stubborn", tmp_path, stop_timeout=1)
     server.start()
-    real_group_alive = live.group_alive
     monkeypatch.setattr(live, "group_alive", lambda pgid: True)
     t0 = time.monotonic()
     server.stop()
     assert time.monotonic() - t0 < 10
     assert "still listed" in capsys.readouterr().out
-    monkeypatch.setattr(live, "group_alive", real_group_alive)
+    monkeypatch.undo()
     assert tagged_processes(server.tag) == []
 
 
@@ -154,13 +149,17 @@ def test_interrupted_eval_stops_the_server(tmp_path, signum):
 # SGLang's response schema, produced by SGLang's own code
 
 
-def _sglang_function(relative: str, cls: str, name: str, namespace: dict):
-    """Compile SGLang's `cls.name` from the installed wheel's source (annotations dropped) into `namespace`."""
+def _sglang_source(relative: str) -> str:
+    """A source file of the installed sglang wheel, by its path inside the package."""
     spec = importlib.util.find_spec("sglang")
     if spec is None:
         pytest.skip("sglang not installed: pip install --no-deps -r requirements-sglang-cpu-test.txt")
-    source = Path(spec.submodule_search_locations[0], relative).read_text()
-    tree = ast.parse(source)
+    return Path(spec.submodule_search_locations[0], relative).read_text()
+
+
+def _sglang_function(relative: str, cls: str, name: str, namespace: dict):
+    """Compile SGLang's `cls.name` from the installed wheel's source (annotations dropped) into `namespace`."""
+    tree = ast.parse(_sglang_source(relative))
     klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
     func = next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
     func.returns = None
@@ -206,9 +205,7 @@ def test_sglang_server_info_from_sglangs_code_is_parsed():
     state: dict = {}
     add(holder, state)
     # /server_info returns the schedulers' states under "internal_states" (sglang/srt/entrypoints/http_server.py)
-    http_server = Path(importlib.util.find_spec("sglang").submodule_search_locations[0],
-                       "srt/entrypoints/http_server.py").read_text()
-    assert '"internal_states": internal_states' in http_server
+    assert '"internal_states": internal_states' in _sglang_source("srt/entrypoints/http_server.py")
     assert sglang_server_accept_length({"internal_states": [state]}) == 2.5
     assert sglang_server_accept_length({"internal_states": [{}]}) is None
 

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.spec_decode import (
@@ -28,6 +27,7 @@ from eval.spec_decode import (
     target_generate,
     verify_sampling,
 )
+from export.main import export_draft
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping
 from modeling.target import capture_hidden_states
@@ -337,22 +337,15 @@ def test_load_draft_round_trip(target, tmp_path):
     for name, value in dspark.state_dict().items():
         torch.testing.assert_close(loaded.model.state_dict()[name], value.to(torch.float64))
 
-    # A serving export without the frozen embed_tokens / lm_head copies: both come from the target.
-    state = load_file(str(tmp_path / "dspark" / "model.safetensors"))
-    export = tmp_path / "export"
-    dspark.config.save_pretrained(export)
-    save_file({k: v for k, v in state.items() if k not in ("embed_tokens.weight", "lm_head.weight")},
-              str(export / "model.safetensors"))
-    served = load_draft(export, target)
+    # The SGLang export drops the frozen embed_tokens / lm_head copies: both come from the target.
+    served = load_draft(export_draft(tmp_path / "dspark", "sglang", tmp_path / "export"), target)
     torch.testing.assert_close(served.model.lm_head.weight, target.lm_head.weight)
     torch.testing.assert_close(served.model.embed_tokens.weight, target.model.embed_tokens.weight)
 
     eagle = make_eagle3(target)
     _save(eagle, eagle.config, tmp_path / "eagle3")
-    state = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
-    save_file({k: v for k, v in state.items() if k != "embed_tokens.weight"}, str(tmp_path / "eagle3" /
-                                                                                 "model.safetensors"))
-    loaded = load_draft(tmp_path / "eagle3", target)
+    # SGLang's EAGLE3 export drops the embedding (the target's) and keeps the draft's own lm_head.
+    loaded = load_draft(export_draft(tmp_path / "eagle3", "sglang", tmp_path / "eagle3-export"), target)
     assert isinstance(loaded, Eagle3Drafter) and torch.equal(loaded.model.d2t, eagle.d2t)
     torch.testing.assert_close(loaded.model.lm_head.weight, eagle.lm_head.weight.double())
     prompt = PROMPTS[2]

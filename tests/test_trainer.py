@@ -45,6 +45,10 @@ def copy_run(prepared, family, dest):
     return dest
 
 
+def checkpoint_names(out):
+    return sorted(p.name for p in (out / "train" / "checkpoints").glob("step-*"))
+
+
 def metrics(out):
     return [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
 
@@ -59,7 +63,7 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == list(range(1, 11))
-    assert sorted(p.name for p in (out / "train" / "checkpoints").glob("step-*")) == ["step-0000005", "step-0000010"]
+    assert checkpoint_names(out) == ["step-0000005", "step-0000010"]
     assert rows[-1]["loss"] < rows[0]["loss"]
     for row in rows:
         assert len(row["accept_rate"]) == 3 and 1.0 <= row["tau"] <= 4.0
@@ -113,7 +117,7 @@ def test_kill_and_resume_continues_bit_exact(zero_stage, prepared, tiny_qwen3, p
     b = load_file(str(crashed / "train" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
     # saves at 2 (killed run), 4 and 6: only the newest two (train.keep_checkpoints default) stay on disk
-    assert sorted(p.name for p in (crashed / "train" / "checkpoints").glob("step-*")) == ["step-0000004", "step-0000006"]
+    assert checkpoint_names(crashed) == ["step-0000004", "step-0000006"]
 
 
 def test_two_rank_zero2_matches_one_rank(prepared, tiny_qwen3, prompt_file, tmp_path):
