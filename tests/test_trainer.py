@@ -104,7 +104,9 @@ def test_kill_and_resume_continues_bit_exact(zero_stage, prepared, tiny_qwen3, p
     clean, crashed = copy_run(prepared, "dspark", tmp_path / "clean"), copy_run(prepared, "dspark", tmp_path / "crash")
     extra = {"train.zero_stage": zero_stage}
     assert run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, clean, **extra)).returncode == 0
-    killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra),
+    # keep_checkpoints is not a result-changing setting: the resumed run may use another value (the default 2)
+    killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra,
+                                **{"train.keep_checkpoints": 1}),
                      {"DRAFTSMITH_KILL_AT": "train:3"})
     assert killed.returncode == -9
     assert (crashed / "train" / "checkpoints" / "latest").read_text().strip() == "step-0000002"

@@ -248,7 +248,9 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
     out_dir = Path(out_dir)
     train = recipe.train
     settings = {"family": recipe.family, "seed": recipe.seed, "draft": vars(recipe.draft), "loss": vars(recipe.loss),
-                "train": {k: v for k, v in vars(train).items() if k not in ("log_every", "wandb_project")},
+                # what only logs or disk use depends on may change between runs of one folder
+                "train": {k: v for k, v in vars(train).items()
+                          if k not in ("log_every", "wandb_project", "keep_checkpoints")},
                 "cache_index_sha256": cache.manifest.get("index_sha256")}
     stage.begin(out_dir, settings, dist.is_main)
     if stage.is_done(out_dir):
