@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import eval_prompts
-from eval.spec_decode import (DraftLMDrafter, NgramDrafter, load_draft, speculative_generate,
-                              target_generate)
+from eval.spec_decode import (DraftLMDrafter, NgramDrafter, is_greedy, load_draft, speculative_generate,
+                              sync_clock, target_generate)
 from train.stage import atomic_write_json, atomic_write_text
 
 
@@ -61,12 +61,10 @@ def make_drafter(draft: str, target, gamma: int):
     if draft == "ngram":
         return NgramDrafter(gamma=gamma)
     if draft.startswith("lm:"):
-        from transformers import AutoModelForCausalLM
+        from modeling.target import load_target
 
-        from modeling.target import resolve_target
-
-        model = AutoModelForCausalLM.from_pretrained(resolve_target(draft[3:]), dtype=next(target.parameters()).dtype)
-        return DraftLMDrafter(model.to(target.device).eval(), gamma=gamma, vocab_size=target.config.vocab_size)
+        model = load_target(draft[3:], target.device, dtype=str(target.dtype).removeprefix("torch."))
+        return DraftLMDrafter(model, gamma=gamma, vocab_size=target.config.vocab_size)
     return load_draft(draft, target)
 
 
@@ -84,7 +82,7 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     drafter = make_drafter(draft, target, block_size or 7)
     gamma = block_size or drafter.default_gamma
     prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
-    greedy = temperature <= 1e-5
+    greedy = is_greedy(temperature)
 
     samples, rounds = [], []
     spec_time = target_time = spec_tokens = target_tokens = 0.0
@@ -110,7 +108,8 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
         "target_tokens_per_s": target_tokens / target_time if target_time else 0.0,
         "samples": samples,
     }
-    report["speedup"] = report["spec_tokens_per_s"] / report["target_tokens_per_s"] if target_tokens else 0.0
+    report["speedup"] = (report["spec_tokens_per_s"] / report["target_tokens_per_s"]
+                         if report["target_tokens_per_s"] else 0.0)
     if rounds and rounds[0].confidences is not None:
         report["calibration"] = _calibrate(rounds, gamma, out_dir, dataset)
         if scheduler:
@@ -124,16 +123,13 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
 def _confidence_arrays(rounds, gamma: int):
     import numpy as np
 
-    logits = np.full((len(rounds), gamma), np.nan)
-    labels = np.zeros((len(rounds), gamma))
-    mask = np.zeros((len(rounds), gamma), dtype=bool)
+    from eval.calibration import logits_from_probs, prefix_labels
+
+    labels, mask = prefix_labels([r.accepted for r in rounds], [r.proposed for r in rounds], gamma)
+    probs = np.full((len(rounds), gamma), np.nan)
     for i, r in enumerate(rounds):
-        for k, c in enumerate(r.confidences[:gamma]):
-            c = min(max(float(c), 1e-6), 1 - 1e-6)
-            logits[i, k] = np.log(c / (1 - c))
-            labels[i, k] = float(r.accepted >= k + 1)
-            mask[i, k] = True
-    return logits, labels, mask
+        probs[i, : len(r.confidences)] = r.confidences
+    return logits_from_probs(probs, eps=1e-6), labels, mask
 
 
 def _calibrate(rounds, gamma: int, out_dir: Path, dataset: str) -> dict:
@@ -152,14 +148,16 @@ def _schedule(target, rounds, gamma: int, out_dir: Path, seed: int) -> dict:
 
     vocab = target.config.vocab_size
     device = next(target.parameters()).device
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
+    # One verify forward over B new tokens; the inputs are made before the clock runs.
+    inputs = {b: torch.randint(0, vocab, (1, b), generator=torch.Generator().manual_seed(b)).to(device) for b in sizes}
 
     @torch.inference_mode()
     def verify_step(batch_tokens: int):
-        # One verify forward over `batch_tokens` new tokens after a short shared context.
-        ids = torch.randint(0, vocab, (1, batch_tokens), generator=torch.Generator().manual_seed(batch_tokens))
-        target(ids.to(device))
+        target(inputs[batch_tokens])
 
-    table = profile_sps(verify_step, [1, 2, 4, 8, 16, 32, 64, 128], repeats=3)
+    # sync_clock waits for the GPU's queued kernels, so a step is timed when it is done, not when it is launched.
+    table = profile_sps(verify_step, sizes, repeats=3, clock=lambda: sync_clock(device))
     table.save(out_dir / "sps_table.json")
     by_request = [[(r.confidences, r.accept_flags) for r in rounds]]
     rows = simulate(by_request, table, gammas=list(range(1, gamma + 1)), batch_sizes=(1, 4, 16), seed=seed)

@@ -544,7 +544,7 @@ def _eos_set(eos_token_id) -> set[int]:
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(i) for i in eos_token_id}
 
 
-def _clock(device: torch.device) -> float:
+def sync_clock(device: torch.device) -> float:
     if device.type == "cuda":  # kernels are asynchronous: time what ran, not what was queued
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -580,7 +580,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | N
     device = _device(target)
     generator = torch.Generator(device=device).manual_seed(seed)
     result = GenerationResult([])
-    start = _clock(device)
+    start = sync_clock(device)
     if max_new_tokens <= 0:
         return result
     with TargetRunner(target, layer_ids) as runner:
@@ -596,10 +596,10 @@ def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | N
             tokens, done = prompt, False
         drafter.reset(tokens, hidden)
         while not done:
-            t0 = _clock(device)
+            t0 = sync_clock(device)
             proposal = drafter.propose(gamma, temperature, generator)
             drafts = list(proposal.tokens[:gamma])
-            t1 = _clock(device)
+            t1 = sync_clock(device)
             verified = runner.length
             logits, hidden = runner.forward([tokens[-1]] + drafts)
             if greedy:
@@ -612,7 +612,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | N
             new = drafts[:accepted] + [next_token]
             before = len(result.ids)
             stop = _emit(result.ids, new, max_new_tokens, eos)
-            t2 = _clock(device)
+            t2 = sync_clock(device)
             conf = proposal.confidences[: len(drafts)] if proposal.confidences is not None else None
             result.rounds.append(RoundRecord(len(drafts), accepted, [i < accepted for i in range(len(drafts))],
                                              conf, len(result.ids) - before, runner.length, t1 - t0, t2 - t1))
@@ -620,7 +620,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | N
                 break
             tokens = tokens + new
             drafter.accept(accepted, next_token, None if hidden is None else hidden[: accepted + 1])
-    result.wall_s = _clock(device) - start
+    result.wall_s = sync_clock(device) - start
     return result
 
 
@@ -635,7 +635,7 @@ def target_generate(target, prompt_ids, max_new_tokens: int, temperature: float 
     device = _device(target)
     generator = torch.Generator(device=device).manual_seed(seed)
     result = GenerationResult([])
-    start = _clock(device)
+    start = sync_clock(device)
     with TargetRunner(target) as runner:
         runner.forward(prompt[:-1])  # same cache layout as speculative_generate: the last token is fed per step
         token = prompt[-1]
@@ -644,5 +644,5 @@ def target_generate(target, prompt_ids, max_new_tokens: int, temperature: float 
             token, _ = pick(logits[-1], temperature, generator)
             if _emit(result.ids, [token], max_new_tokens, eos):
                 break
-    result.wall_s = _clock(device) - start
+    result.wall_s = sync_clock(device) - start
     return result

@@ -69,3 +69,12 @@ def test_ngram_baseline_from_the_command_line(tiny_qwen3, prompt_file, tmp_path)
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["exact_match"] is None and report["temperature"] == 0.8 and report["accept_len"] >= 1.0
     assert "calibration" not in report  # no confidence head, no calibration
+
+
+def test_draft_lm_baseline_with_the_target_as_draft_accepts_everything(tiny_qwen3, prompt_file, tmp_path):
+    """`lm:<model>` loads a causal LM as drafter in the target's dtype; the target drafting for itself is always right."""
+    report = run_eval(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                      out_dir=tmp_path, num_samples=2, temperature=0.0, block_size=3, max_new_tokens=8,
+                      scheduler=False)
+    assert report["exact_match"] == 1.0
+    assert report["accept_rate_at_k"][0] == 1.0 and report["accept_len"] > 3.0  # only a budget-cut last round < 4
