@@ -71,13 +71,14 @@ def make_drafter(draft: str, target, gamma: int):
 def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int, temperature: float,
              block_size: int | None, max_new_tokens: int, seed: int = 0, system_prompt: str | None = None,
              enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
-             scheduler: bool = True) -> dict:
+             scheduler: bool = True, target=None) -> dict:
+    """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does)."""
     from modeling.target import load_target, load_tokenizer
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(target_name, device)
+    if target is None:
+        target = load_target(target_name, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(target_name)
     drafter = make_drafter(draft, target, block_size or 7)
     gamma = block_size or drafter.default_gamma

@@ -88,6 +88,7 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     # the eval stage ran the trained drafter losslessly and printed tau
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["exact_match"] == 1.0 and report["block_size"] == 3
+    assert json.loads((out / "eval" / "DONE.json").read_text()) == {"accept_len": report["accept_len"]}
     assert "[eval]" in done.stdout and f"tau {report['accept_len']:.3f}" in done.stdout
     # and the export stage wrote the SGLang checkpoint of the family's serving algorithm
     exported = json.loads((out / "export" / "sglang" / "config.json").read_text())
