@@ -21,11 +21,11 @@ import importlib.metadata
 import importlib.resources
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
+
+from core.io import publish_dir
 
 __all__ = [
     "QWEN3_CHAT_TEMPLATE",
@@ -197,27 +197,6 @@ def _cached_qwen3_tokenizer() -> PreTrainedTokenizerFast:
     return _build_qwen3_tokenizer()
 
 
-def _atomic_save(save_dir: Path, write) -> None:
-    """Run ``write(tmp_dir)`` then move tmp_dir to save_dir in one rename.
-
-    Readers therefore see either nothing or a complete directory. If another process wins
-    the race, its directory is kept and ours is discarded.
-    """
-    save_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.tmp-", dir=save_dir.parent))
-    try:
-        write(tmp)
-        try:
-            # rename(2) replaces an empty directory but fails on a non-empty one.
-            os.replace(tmp, save_dir)
-        except OSError:
-            if not save_dir.is_dir() or not any(save_dir.iterdir()):
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _tokenizer_saved(path: Path) -> bool:
     return (path / "tokenizer.json").is_file() and (path / "tokenizer_config.json").is_file()
 
@@ -236,7 +215,9 @@ def build_qwen3_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrain
         return _cached_qwen3_tokenizer()
     path = Path(save_dir)
     if not _tokenizer_saved(path):
-        _atomic_save(path, lambda tmp: _cached_qwen3_tokenizer().save_pretrained(str(tmp)))
+        # A parallel process may publish first: its complete folder is kept.
+        with publish_dir(path, if_exists="keep") as tmp:
+            _cached_qwen3_tokenizer().save_pretrained(str(tmp))
         if not _tokenizer_saved(path):
             raise FileExistsError(f"{path} exists and is not empty but holds no saved tokenizer; refusing to overwrite")
     return PreTrainedTokenizerFast.from_pretrained(str(path))
@@ -313,13 +294,11 @@ def make_tiny_qwen3(
         model = Qwen3ForCausalLM(config)
     model.eval()
 
-    def write(tmp: Path) -> None:
+    with publish_dir(path, if_exists="keep") as tmp:
         model.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         # Written last: its presence is what marks the checkpoint complete.
         (tmp / _TINY_MARKER).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-
-    _atomic_save(path, write)
     if not check_existing():
         raise FileExistsError(f"{path} exists and is not empty but holds no tiny model; refusing to overwrite")
     return str(path)

@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from data.cache import CacheSpec, CacheWriter, TargetCache, bytes_per_token, format_bytes
+from data.cache import CacheSpec, TargetCache, bytes_per_token, format_bytes
+from data.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
 from data.regenerate import read_records
+from modeling.eagle3 import count_tokens
 from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size
-from train import stage
-from train.dist import Dist, fault_point
+from core import stage
+from core.dist import Dist, fault_point
+
+
+TOKEN_COUNTS_KEY = "loss_token_counts"  # in the manifest's meta
 
 
 def cache_spec(recipe, hidden_size: int, tokenizer) -> CacheSpec:
@@ -43,6 +49,32 @@ def tokenize_records(records: list[dict], tokenizer, recipe) -> tuple[list[dict]
             continue
         kept.append({"id": record["id"], "input_ids": input_ids, "loss_mask": loss_mask})
     return kept, dropped
+
+
+def loss_token_counts(rows: list[dict]) -> list[list[int]]:
+    """[[token id, count], ...] (ascending ids) of the supervised tokens (loss_mask 1) of every conversation. Written
+    into the manifest at cache time: Eagle3's pruned draft vocabulary is the most frequent of them, and reading
+    them back costs nothing, where counting means reading (and CRC-checking) every record again."""
+    counts = Counter()
+    for row in rows:
+        counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+    return [[int(t), int(c)] for t, c in sorted(counts.items())]
+
+
+def read_loss_token_counts(cache: TargetCache, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int64 counts of the cache's supervised tokens, from its manifest (a cache written before the
+    counts were stored is counted record by record, as before)."""
+    pairs = cache.manifest.get("meta", {}).get(TOKEN_COUNTS_KEY)
+    if pairs is None:
+        return count_tokens(((cache[i]["input_ids"], cache[i]["loss_mask"]) for i in range(len(cache))), vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    if pairs:
+        ids, values = torch.tensor(pairs, dtype=torch.int64).T
+        if int(ids.max()) >= vocab_size:
+            raise ValueError(f"{cache.root}: the manifest counts token id {int(ids.max())}, outside the target "
+                             f"vocabulary of {vocab_size}")
+        counts[ids] = values
+    return counts
 
 
 def _shard_records(model, rows: list[dict], first_id: int, layer_ids: list[int], batch_size: int, dtype, bar):
@@ -81,10 +113,9 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
     records_sha256 = hashlib.sha256((Path(regen_dir) / "records.jsonl").read_bytes()).hexdigest()
     settings = {"regen_records_sha256": records_sha256, "spec": asdict(spec), "cache": asdict(recipe.cache),
                 "data": {k: getattr(recipe.data, k) for k in ("max_length", "thinking", "min_loss_tokens")}}
-    stage.begin(out_dir, settings, dist.is_main)
-    if stage.is_done(out_dir):
-        dist.print(f"[cache] {out_dir} is complete; skipping")
-        return stage.read_done(out_dir)
+    done = stage.start(out_dir, settings, "cache", dist.is_main)
+    if done is not None:
+        return done
     model = get_model()
     check_layer_ids(model, recipe.target.layer_ids)
 
@@ -99,7 +130,8 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
 
     per_shard = recipe.cache.records_per_shard
     writer = CacheWriter(str(out_dir), spec, num_records=len(rows), records_per_shard=per_shard,
-                         meta={"regen_records_sha256": records_sha256, "dropped": dropped})
+                         meta={"regen_records_sha256": records_sha256, "dropped": dropped,
+                               TOKEN_COUNTS_KEY: loss_token_counts(rows)})
     todo = dist.mine(writer.pending_shards())
     todo_tokens = sum(len(r["input_ids"]) for s in todo for r in rows[s * per_shard: (s + 1) * per_shard])
     dtype = getattr(torch, recipe.cache.dtype)

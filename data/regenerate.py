@@ -27,9 +27,11 @@ import torch
 from tqdm.auto import tqdm
 
 from data.chat import build_messages, render_prompt_ids
-from data.prompts import Prompt, load_prompts
-from train import stage
-from train.dist import Dist, fault_point
+from data.prompts import load_prompts
+from data.sources import Prompt
+from core import stage
+from core.io import atomic_write_json, atomic_write_text
+from core.dist import Dist, fault_point
 
 
 @dataclass
@@ -202,10 +204,9 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
     """The `regenerate` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
     out_dir = Path(out_dir)
     settings = regen_settings(recipe)
-    stage.begin(out_dir, settings, dist.is_main)
-    if stage.is_done(out_dir):
-        dist.print(f"[regenerate] {out_dir} is complete; skipping")
-        return stage.read_done(out_dir)
+    done = stage.start(out_dir, settings, "regenerate", dist.is_main)
+    if done is not None:
+        return done
 
     prompts = load_prompts(recipe.data.sources, recipe.data.num_prompts, recipe.data.holdout_fraction, recipe.seed)
     size = recipe.regen.batch_size
@@ -224,7 +225,7 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
                position=dist.rank, disable=not todo)
     for k in todo:
         records, errors, tokens = regenerate_chunk(backend, chunks[k], recipe, chunk_seed=recipe.seed * 100_003 + k)
-        stage.atomic_write_json(chunk_path(out_dir, k), {"chunk": k, "records": records, "errors": errors,
+        atomic_write_json(chunk_path(out_dir, k), {"chunk": k, "records": records, "errors": errors,
                                                          "generated_tokens": tokens})
         num_tokens += tokens
         bar.update(len(chunks[k]))
@@ -260,8 +261,8 @@ def _merge(out_dir: Path, num_chunks: int) -> dict:
         lines += [json.dumps(r, ensure_ascii=False) + "\n" for r in chunk["records"]]
         error_lines += [json.dumps(e, ensure_ascii=False) + "\n" for e in chunk["errors"]]
         generated += chunk["generated_tokens"]
-    stage.atomic_write_text(out_dir / "records.jsonl", "".join(lines))
-    stage.atomic_write_text(out_dir / "errors.jsonl", "".join(error_lines))
+    atomic_write_text(out_dir / "records.jsonl", "".join(lines))
+    atomic_write_text(out_dir / "errors.jsonl", "".join(error_lines))
     return {"records": len(lines), "errors": len(error_lines), "generated_tokens": generated}
 
 

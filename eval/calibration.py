@@ -31,13 +31,10 @@ Inputs may be numpy arrays, torch tensors or nested lists; everything is compute
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
-from train.stage import atomic_write_json, read_json
 
-STS_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after")  # SGLang's DSparkStsCalibration
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 61)  # ~10% steps in T; the local refinement goes finer
 REFINE_POINTS = 41
 
@@ -289,77 +286,3 @@ def calibrate_sts(conf_logits, labels, mask=None, holdout_fraction: float = 0.5,
     before = calibration_report(z[eval_idx], y[eval_idx], m[eval_idx], None, n_bins)["ece"]
     after = calibration_report(z[eval_idx], y[eval_idx], m[eval_idx], temps, n_bins)["ece"]
     return {"temperatures": temps, "num_samples": int(fit_idx.size), "ece_before": before, "ece_after": after}
-
-
-# --- the SGLang STS file ------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StsCalibration:
-    """The contents of an SGLang ``--speculative-dspark-confidence-sts-path`` file; None = key absent."""
-
-    temperatures: list[float]
-    dataset: str | None = None
-    num_samples: int | None = None
-    ece_before: list[float] | None = None
-    ece_after: list[float] | None = None
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _validate_sts(obj) -> StsCalibration:
-    if not isinstance(obj, dict):
-        raise ValueError(f"an STS file must hold a JSON object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - set(STS_KEYS))
-    if unknown:
-        raise ValueError(f"unknown STS keys {unknown} (SGLang would silently ignore them); allowed: {list(STS_KEYS)}")
-    temps = obj.get("temperatures")
-    if not isinstance(temps, list) or not temps:
-        raise ValueError("'temperatures' must be a non-empty list with one float per draft position")
-    for i, t in enumerate(temps):
-        if not _is_number(t) or not math.isfinite(t) or t <= 0:
-            raise ValueError(f"temperatures[{i}] must be a finite number > 0, got {t!r}")
-    dataset = obj.get("dataset")
-    if dataset is not None and not isinstance(dataset, str):
-        raise ValueError(f"'dataset' must be a string, got {dataset!r}")
-    num_samples = obj.get("num_samples")
-    if num_samples is not None and (not isinstance(num_samples, int) or isinstance(num_samples, bool)
-                                    or num_samples < 0):
-        raise ValueError(f"'num_samples' must be an int >= 0, got {num_samples!r}")
-    for key in ("ece_before", "ece_after"):
-        values = obj.get(key)
-        if values is None:
-            continue
-        if not isinstance(values, list) or len(values) != len(temps):
-            n = len(values) if isinstance(values, list) else type(values).__name__
-            raise ValueError(f"'{key}' must be a list with one entry per temperature ({len(temps)}), got {n}")
-        for i, v in enumerate(values):
-            if not _is_number(v) or not math.isfinite(v):
-                raise ValueError(f"{key}[{i}] must be a finite number (JSON has no NaN; a position without held-out "
-                                 f"rounds has no ECE), got {v!r}")
-    return StsCalibration([float(t) for t in temps], dataset, num_samples,
-                          None if obj.get("ece_before") is None else [float(v) for v in obj["ece_before"]],
-                          None if obj.get("ece_after") is None else [float(v) for v in obj["ece_after"]])
-
-
-def save_sts(path, temperatures, *, dataset: str | None = None, num_samples: int | None = None,
-             ece_before=None, ece_after=None) -> None:
-    """Write the SGLang STS JSON (only the keys SGLang reads; None-valued optional keys are left out), atomically:
-    a temporary file in the same folder, then ``os.replace``."""
-    obj = {"temperatures": [float(t) for t in _as_float(temperatures, "temperatures").reshape(-1)]}
-    if dataset is not None:
-        obj["dataset"] = dataset
-    if num_samples is not None:
-        obj["num_samples"] = num_samples if isinstance(num_samples, bool) else int(num_samples)
-    for key, values in (("ece_before", ece_before), ("ece_after", ece_after)):
-        if values is not None:
-            obj[key] = [float(v) for v in _as_float(values, key).reshape(-1)]
-    _validate_sts(obj)
-    atomic_write_json(path, obj)  # validated above: no NaN reaches the file
-
-
-def load_sts(path) -> StsCalibration:
-    """Read and validate an STS file: positive finite temperatures, ECE lists as long as ``temperatures``, correct
-    types, no unknown keys. Raises ValueError naming the problem (and the file)."""
-    return read_json(path, _validate_sts)

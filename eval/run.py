@@ -24,11 +24,17 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from core import stage
+from core.io import atomic_write_json, atomic_write_text, read_json
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import eval_prompts
+from eval.calibration import calibrate_sts, calibration_report, logits_from_probs, prefix_labels
+from eval.scheduler import format_table, profile_sps, simulate
 from eval.spec_decode import (DraftLMDrafter, NgramDrafter, is_greedy, load_draft, speculative_generate,
                               sync_clock, target_generate)
-from train.stage import atomic_write_json, atomic_write_text
+from export.serving import save_sts
+from modeling.registry import draft_digest
+from modeling.target import load_target, load_tokenizer
 
 
 def acceptance_metrics(rounds, gamma: int) -> dict:
@@ -61,8 +67,6 @@ def make_drafter(draft: str, target, gamma: int):
     if draft == "ngram":
         return NgramDrafter(gamma=gamma)
     if draft.startswith("lm:"):
-        from modeling.target import load_target
-
         model = load_target(draft[3:], target.device, dtype=str(target.dtype).removeprefix("torch."))
         return DraftLMDrafter(model, gamma=gamma, vocab_size=target.config.vocab_size)
     return load_draft(draft, target)
@@ -73,8 +77,6 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
              enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
              scheduler: bool = True, target=None) -> dict:
     """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does)."""
-    from modeling.target import load_target, load_tokenizer
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
@@ -121,10 +123,27 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     return report
 
 
+def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
+    """The pipeline's `eval` stage (rank 0): speculative decoding with the trained draft on recipe.eval's prompts,
+    with the target the run already holds. Pinned to the eval settings and the draft's digest, so a changed `eval.*`
+    key or a retrained draft runs the stage again instead of silently reusing the old report (and sts.json)."""
+    settings = {"eval": vars(recipe.eval), "seed": recipe.seed, "target": recipe.target.name_or_path,
+                "system_prompt": recipe.data.system_prompt, "enable_thinking": recipe.regen.enable_thinking,
+                "draft_sha256": draft_digest(draft_dir)}
+    if stage.start(eval_dir, settings, "eval", on_change="rerun") is not None:
+        return read_json(Path(eval_dir) / "report.json")
+    report = run_eval(draft=str(draft_dir), target_name=recipe.target.name_or_path, dataset=recipe.eval.dataset,
+                      out_dir=eval_dir, num_samples=recipe.eval.num_samples, temperature=recipe.eval.temperature,
+                      block_size=None, max_new_tokens=recipe.eval.max_new_tokens, seed=recipe.seed,
+                      system_prompt=recipe.data.system_prompt, enable_thinking=recipe.regen.enable_thinking,
+                      target=target)
+    # written last, after report.md and the plot: a crash before it reruns the stage
+    stage.mark_done(eval_dir, {"accept_len": report["accept_len"]})
+    return report
+
+
 def _confidence_arrays(rounds, gamma: int):
     import numpy as np
-
-    from eval.calibration import logits_from_probs, prefix_labels
 
     labels, mask = prefix_labels([r.accepted for r in rounds], [r.proposed for r in rounds], gamma)
     probs = np.full((len(rounds), gamma), np.nan)
@@ -134,8 +153,6 @@ def _confidence_arrays(rounds, gamma: int):
 
 
 def _calibrate(rounds, gamma: int, out_dir: Path, dataset: str) -> dict:
-    from eval.calibration import calibrate_sts, calibration_report, save_sts
-
     logits, labels, mask = _confidence_arrays(rounds, gamma)
     before = calibration_report(logits, labels, mask)
     result = calibrate_sts(logits, labels, mask)
@@ -145,8 +162,6 @@ def _calibrate(rounds, gamma: int, out_dir: Path, dataset: str) -> dict:
 
 
 def _schedule(target, rounds, gamma: int, out_dir: Path, seed: int) -> dict:
-    from eval.scheduler import format_table, profile_sps, simulate
-
     vocab = target.config.vocab_size
     device = next(target.parameters()).device
     sizes = [1, 2, 4, 8, 16, 32, 64, 128]

@@ -27,8 +27,6 @@ the paper's Appendix A shows the output distribution then drifts ((0.85, 0.15) i
 
 from __future__ import annotations
 
-import bisect
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,85 +34,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from train.stage import atomic_write_json, read_json
+from export.serving import SpsTable
 
-SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  # SGLang's SpsCostTable
-
-
-# --- the SPS table ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class SpsTable:
-    """Target verify steps/second sampled at ascending batch-token counts; see the module docstring for ``sps``."""
-
-    batch_tokens: tuple[int, ...]
-    steps_per_sec: tuple[float, ...]
-    max_batch_tokens: int
-
-    def __post_init__(self):
-        bt = tuple(self.batch_tokens)
-        sp = tuple(self.steps_per_sec)
-        if not bt or len(bt) != len(sp):
-            raise ValueError(f"need one steps/sec value per batch size and at least one sample, got {len(bt)} batch "
-                             f"sizes and {len(sp)} values")
-        for b in bt:
-            if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 1:
-                raise ValueError(f"sample_batch_tokens must be ints >= 1, got {b!r}")
-        if any(b1 >= b2 for b1, b2 in zip(bt, bt[1:])):
-            raise ValueError(f"sample_batch_tokens must be strictly ascending, got {list(bt)}")
-        for s in sp:
-            if not isinstance(s, (int, float, np.integer, np.floating)) or isinstance(s, bool) \
-                    or not math.isfinite(s) or s <= 0:
-                raise ValueError(f"sample_steps_per_sec must be finite numbers > 0, got {s!r}")
-        m = self.max_batch_tokens
-        if not isinstance(m, (int, np.integer)) or isinstance(m, bool) or m < bt[-1]:
-            raise ValueError(f"max_batch_tokens must be an int >= the largest sample ({bt[-1]}), got {m!r}")
-        object.__setattr__(self, "batch_tokens", tuple(int(b) for b in bt))
-        object.__setattr__(self, "steps_per_sec", tuple(float(s) for s in sp))
-        object.__setattr__(self, "max_batch_tokens", int(m))
-
-    def sps(self, batch_tokens: int) -> float:
-        """Steps/second at B tokens: linear between samples, flat outside them, ValueError beyond max_batch_tokens."""
-        b = batch_tokens
-        if b < 1:
-            raise ValueError(f"a verify batch has at least 1 token, got {b}")
-        if b > self.max_batch_tokens:
-            raise ValueError(f"batch of {b} tokens exceeds the table's max_batch_tokens={self.max_batch_tokens}")
-        xs, ys = self.batch_tokens, self.steps_per_sec
-        if b <= xs[0]:
-            return ys[0]
-        if b >= xs[-1]:
-            return ys[-1]
-        i = bisect.bisect_right(xs, b)  # xs[i-1] <= b < xs[i]
-        w = (b - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + w * (ys[i] - ys[i - 1])
-
-    def to_json(self) -> dict:
-        return {"sample_batch_tokens": list(self.batch_tokens), "sample_steps_per_sec": list(self.steps_per_sec),
-                "max_batch_tokens": self.max_batch_tokens}
-
-    @classmethod
-    def from_json(cls, obj) -> "SpsTable":
-        if not isinstance(obj, dict):
-            raise ValueError(f"an SPS table must be a JSON object, got {type(obj).__name__}")
-        if "bias_seconds" in obj:
-            raise ValueError("this is SGLang's additive cost table (it has 'bias_seconds'); only the sampled "
-                             f"SpsCostTable {list(SPS_KEYS)} is supported")
-        keys = set(obj)
-        if keys != set(SPS_KEYS):
-            raise ValueError(f"SPS table keys must be exactly {list(SPS_KEYS)}; missing {sorted(set(SPS_KEYS) - keys)}"
-                             f", unknown {sorted(keys - set(SPS_KEYS))}")
-        if not isinstance(obj["sample_batch_tokens"], list) or not isinstance(obj["sample_steps_per_sec"], list):
-            raise ValueError("sample_batch_tokens and sample_steps_per_sec must be lists")
-        return cls(tuple(obj["sample_batch_tokens"]), tuple(obj["sample_steps_per_sec"]), obj["max_batch_tokens"])
-
-    def save(self, path) -> None:
-        """Write the SGLang SpsCostTable JSON atomically (temporary file + os.replace)."""
-        atomic_write_json(path, self.to_json())
-
-    @classmethod
-    def load(cls, path) -> "SpsTable":
-        return read_json(path, cls.from_json)
 
 
 def profile_sps(step_fn: Callable[[int], object], batch_tokens: Sequence[int], repeats: int = 3, warmup: int = 1,

@@ -30,19 +30,17 @@ Every random draw (drafter sampling, accept tests, residual and bonus sampling) 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
 
-from modeling.dspark import DSparkModel
+from modeling.dspark import ContextCache, DSparkModel
 from modeling.eagle3 import Eagle3Model
+from modeling.registry import load_draft_model
 from modeling.target import check_layer_ids, decoder_layers
 
 GREEDY_BELOW = 1e-5  # DeepSpec: temperatures below this mean greedy (one-hot distributions)
@@ -114,10 +112,10 @@ def _device(module: torch.nn.Module) -> torch.device:
 class DSparkDrafter(Drafter):
     """DSpark / DFlash block drafter.
 
-    use_cache=True keeps each layer's projected context keys/values (k_norm + RoPE at the context position, exactly
-    what `DSparkAttention` computes) and only projects newly verified positions; the block pass then attends to
-    [all cached context; block] without a mask, since every cached position is < anchor. use_cache=False calls
-    `DSparkModel.forward` on the full context every round: the reference the cached path is tested against.
+    use_cache=True keeps each layer's context keys/values (`DSparkModel.extend_context`) and projects only newly
+    verified positions; the block pass (`DSparkModel.cached_block`) attends to all of them, since every cached
+    position is < anchor. use_cache=False calls `DSparkModel.forward` on the full context every round: the reference
+    the cached path is tested against.
     """
 
     def __init__(self, model: DSparkModel, use_cache: bool = True):
@@ -130,51 +128,17 @@ class DSparkDrafter(Drafter):
     def reset(self, tokens, target_hidden):
         super().reset(tokens, target_hidden)
         self.hidden = target_hidden  # only grown in the recompute path
-        self.kv = None
-        self.ctx_len = 0
+        self.context = ContextCache()
         if self.use_cache:
-            self._extend(target_hidden)
+            self.model.extend_context(self.context, target_hidden)
 
     @torch.no_grad()
     def accept(self, num_accepted, next_token, target_hidden):
         super().accept(num_accepted, next_token, target_hidden)
         if self.use_cache:
-            self._extend(target_hidden)
+            self.model.extend_context(self.context, target_hidden)
         else:
             self.hidden = torch.cat([self.hidden, target_hidden], dim=0)
-
-    def _extend(self, hidden: torch.Tensor) -> None:
-        model = self.model
-        ctx = model.context_features(hidden.to(_device(model)))[None]  # [1, m, H]
-        pos = torch.arange(self.ctx_len, self.ctx_len + ctx.shape[1], device=ctx.device)[None]
-        cos, sin = model.rotary_emb(ctx, pos)
-        new = []
-        for layer in model.layers:
-            k, v = layer.self_attn._kv(ctx)
-            k, _ = apply_rotary_pos_emb(k, k, cos, sin)
-            new.append((k, v))
-        self.kv = new if self.kv is None else [
-            (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(self.kv, new)]
-        self.ctx_len += ctx.shape[1]
-
-    def _block_cached(self, anchor: int) -> torch.Tensor:
-        model = self.model
-        device = _device(model)
-        ids = torch.full((1, model.block_len), model.mask_token_id, dtype=torch.long, device=device)
-        ids[0, 0] = self.tokens[-1]
-        x = model.embed_tokens(ids)
-        cos, sin = model.rotary_emb(x, anchor + torch.arange(model.block_len, device=device)[None])
-        for layer, (k_ctx, v_ctx) in zip(model.layers, self.kv):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(1, -1, attn.num_heads, attn.head_dim)).transpose(1, 2)
-            k, v = attn._kv(h)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            out = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], dim=2), torch.cat([v_ctx, v], dim=2),
-                                                 scale=attn.scaling, enable_gqa=True)
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, model.block_len, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.norm(x)[0, model.block_len - model.block_size:]
 
     def _block_recompute(self, anchor: int) -> torch.Tensor:
         model = self.model
@@ -188,8 +152,9 @@ class DSparkDrafter(Drafter):
     @torch.no_grad()
     def block_states(self) -> torch.Tensor:
         """[block_size, H] prediction states of the block anchored at the pending token (prediction k -> a+k)."""
-        anchor = len(self.tokens) - 1  # == number of verified positions
-        return self._block_cached(anchor) if self.use_cache else self._block_recompute(anchor)
+        if self.use_cache:
+            return self.model.cached_block(self.tokens[-1], self.context)
+        return self._block_recompute(len(self.tokens) - 1)  # anchor = the number of verified positions
 
     @torch.no_grad()
     def propose(self, gamma, temperature, generator):
@@ -367,55 +332,15 @@ class DraftLMDrafter(Drafter):
 # Loading a trained draft
 
 
-def _load_weights(model, draft_dir: Path, target_model, shared: dict[str, str]) -> None:
-    """Load model.safetensors, taking `shared` weights (name -> 'embed'/'head') from the target when the file lacks
-    them: serving exports drop the frozen copies because SGLang/vLLM read the target's own."""
-    from safetensors.torch import load_file
-
-    missing, unexpected = model.load_state_dict(load_file(str(draft_dir / "model.safetensors")), strict=False)
-    if unexpected or set(missing) - set(shared):
-        raise ValueError(f"draft weights do not match {type(model).__name__}: missing {sorted(missing)}, "
-                         f"unexpected {sorted(unexpected)}")
-    with torch.no_grad():
-        for name in missing:
-            source = target_model.get_input_embeddings() if shared[name] == "embed" \
-                else target_model.get_output_embeddings()
-            model.get_parameter(name).copy_(source.weight)
-
-
-def _load_dspark(config_dict: dict, draft_dir: Path, target_model) -> Drafter:
-    from transformers import Qwen3Config
-
-    model = DSparkModel(Qwen3Config.from_dict(config_dict))
-    _load_weights(model, draft_dir, target_model, {"embed_tokens.weight": "embed", "lm_head.weight": "head"})
-    return DSparkDrafter(model)
-
-
-def _load_eagle3(config_dict: dict, draft_dir: Path, target_model) -> Drafter:
-    from transformers import LlamaConfig
-
-    model = Eagle3Model(LlamaConfig.from_dict(config_dict))
-    # lm_head is the draft's own (trained, draft vocabulary): only the embedding may come from the target.
-    _load_weights(model, draft_dir, target_model, {"embed_tokens.weight": "embed"})
-    return Eagle3Drafter(model)
-
-
-DRAFT_LOADERS = {"Qwen3DSparkModel": _load_dspark, "LlamaForCausalLMEagle3": _load_eagle3}
+# The inference side of each registered model class.
+DRAFTERS = {DSparkModel: DSparkDrafter, Eagle3Model: Eagle3Drafter}
 
 
 def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None) -> Drafter:
-    """The drafter saved in `draft_dir` (config.json + model.safetensors), on the target's device, in `dtype`
-    (default: the target's dtype)."""
-    draft_dir = Path(draft_dir)
-    config_dict = json.loads((draft_dir / "config.json").read_text())
-    arch = (config_dict.get("architectures") or [None])[0]
-    if arch not in DRAFT_LOADERS:
-        raise ValueError(f"unknown draft architecture {arch!r} in {draft_dir / 'config.json'}; "
-                         f"known: {', '.join(DRAFT_LOADERS)}")
-    drafter = DRAFT_LOADERS[arch](config_dict, draft_dir, target_model)
-    param = next(target_model.parameters())
-    drafter.model.to(device=param.device, dtype=dtype or param.dtype).requires_grad_(False)
-    return drafter
+    """The drafter saved in `draft_dir` (a training draft folder or a serving export), on the target's device, in
+    `dtype` (default: the target's dtype)."""
+    model = load_draft_model(draft_dir, target_model, dtype=dtype)
+    return DRAFTERS[type(model)](model)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

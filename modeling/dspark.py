@@ -41,6 +41,7 @@ Two implementations of that mask: a dense boolean mask for SDPA (CPU, reference)
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -215,28 +216,34 @@ class DSparkAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def _kv(self, x: torch.Tensor):
+    def project_kv(self, x: torch.Tensor):
         shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
         k = self.k_norm(self.k_proj(x).view(shape)).transpose(1, 2)
         return k, self.v_proj(x).view(shape).transpose(1, 2)
 
-    def forward(self, x, ctx, rope_block, rope_ctx, mask, attn_impl: str):
+    def context_kv(self, ctx: torch.Tensor, rope_ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of the context features: the block's own k/v projections and k_norm (the paper's KV injection,
+        eq. 3), RoPE at the context positions. A position's pair never changes, so inference caches it."""
+        k, v = self.project_kv(ctx)
+        # apply_rotary_pos_emb rotates a pair with one table; the second copy is thrown away (cheap: T x kv_heads).
+        k, _ = apply_rotary_pos_emb(k, k, *rope_ctx)
+        return k, v
+
+    def forward(self, x, context_kv, rope_block, mask, attn_impl: str):
+        """x: the block [B, Q, H]; context_kv: `context_kv(...)` of the context it may see. mask None = every context
+        key is visible (inference, where the cache holds exactly the positions before the anchor)."""
         batch, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(batch, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
-        # Same k/v projections (and k_norm) for context and block: the paper's KV injection (eq. 3).
-        k_ctx, v_ctx = self._kv(ctx)
-        k_blk, v_blk = self._kv(x)
+        k_ctx, v_ctx = context_kv
+        k_blk, v_blk = self.project_kv(x)
         q, k_blk = apply_rotary_pos_emb(q, k_blk, *rope_block)
-        # Context keys sit at their own positions 0..T-1. apply_rotary_pos_emb rotates a pair with one table; the
-        # second copy of k_ctx is thrown away (cheap: T x kv_heads, no vocabulary or query dimension).
-        k_ctx, _ = apply_rotary_pos_emb(k_ctx, k_ctx, *rope_ctx)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)
         if attn_impl == "flex":
             out = _flex_attention(q, k, v, mask, self.scaling)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=self.scaling,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask[:, None],
+                                                 scale=self.scaling, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
 
 
@@ -250,9 +257,9 @@ class DSparkDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_block, rope_ctx, mask, attn_impl):
+    def forward(self, x, context_kv, rope_block, mask, attn_impl):
         # H_ctx is already normalised by hidden_norm, so only the block goes through input_layernorm.
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_block, rope_ctx, mask, attn_impl)
+        x = x + self.self_attn(self.input_layernorm(x), context_kv, rope_block, mask, attn_impl)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -311,6 +318,14 @@ class ConfidenceHead(nn.Module):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Model
+
+
+@dataclass
+class ContextCache:
+    """Per-layer keys/values of the context positions 0..length-1 (k_norm and RoPE applied), for inference."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    length: int = 0
 
 
 class DSparkModel(nn.Module):
@@ -412,11 +427,38 @@ class DSparkModel(nn.Module):
             mask = dense_block_mask(anchors, attention_mask, block_len)
 
         for layer in self.layers:
-            x = layer(x, ctx, rope_block, rope_ctx, mask, attn_impl)
+            x = layer(x, layer.self_attn.context_kv(ctx, rope_ctx), rope_block, mask, attn_impl)
         x = self.norm(x).view(batch, num_anchors, block_len, -1)
         # Prediction k (target a+k) lives in slot k-1 (anchor-first) or slot k (1+N): the last gamma slots either way.
         x = x[:, :, block_len - gamma:]
         return x * keep[..., None, None].to(x.dtype)
+
+    # --- inference: the context's keys/values cached, one block per round ------------------------------------------
+
+    @torch.no_grad()
+    def extend_context(self, cache: "ContextCache", target_hidden: torch.Tensor) -> None:
+        """Add the next verified positions (target layer outputs [m, K*H]) to every layer's cached context keys/values,
+        exactly what `forward` computes for them."""
+        ctx = self.context_features(target_hidden.to(self.fc.weight.device))[None]  # [1, m, H]
+        pos = torch.arange(cache.length, cache.length + ctx.shape[1], device=ctx.device)[None]
+        rope_ctx = self.rotary_emb(ctx, pos)
+        new = [layer.self_attn.context_kv(ctx, rope_ctx) for layer in self.layers]
+        cache.layers = new if cache.layers is None else [
+            (torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2)) for (k0, v0), (k1, v1) in zip(cache.layers, new)]
+        cache.length += ctx.shape[1]
+
+    @torch.no_grad()
+    def cached_block(self, anchor_token: int, cache: "ContextCache") -> torch.Tensor:
+        """[gamma, H] prediction states of the block anchored at position `cache.length` (the pending token, whose
+        own target state does not exist yet), from the cached context: `forward` for that one anchor."""
+        device = self.fc.weight.device
+        ids = torch.full((1, self.block_len), self.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = anchor_token
+        x = self.embed_tokens(ids)
+        rope_block = self.rotary_emb(x, cache.length + torch.arange(self.block_len, device=device)[None])
+        for layer, context_kv in zip(self.layers, cache.layers):
+            x = layer(x, context_kv, rope_block, None, "sdpa")
+        return self.norm(x)[0, self.block_len - self.block_size:]
 
     def draft_logits(self, draft_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """[..., gamma, H], [..., gamma] -> [..., gamma, V]: lm_head(h_k) + Markov bias from x_{k-1}."""

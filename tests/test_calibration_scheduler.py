@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from eval.calibration import (STS_KEYS, auroc, brier, calibrate_sts, calibration_report, cumulative_confidence, ece,
-                              fit_sts, load_sts, logits_from_probs, prefix_labels, save_sts, split_rounds)
-from eval.scheduler import SPS_KEYS, SpsTable, fixed_gamma, format_table, profile_sps, schedule_batch, simulate
+from eval.calibration import (auroc, brier, calibrate_sts, calibration_report, cumulative_confidence, ece, fit_sts,
+                              logits_from_probs, prefix_labels, split_rounds)
+from eval.scheduler import fixed_gamma, format_table, profile_sps, schedule_batch, simulate
+from export.serving import SPS_KEYS, STS_KEYS, SpsTable, load_sts, save_sts
 
 
 # --- metrics ------------------------------------------------------------------------------------------------------

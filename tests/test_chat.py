@@ -154,7 +154,7 @@ def test_qwen3_saved_tokenizer_round_trips(tmp_path, monkeypatch, qwen3_tokenize
         def from_pretrained(path):
             return ("loaded", path)
 
-    monkeypatch.setattr(assets, "_atomic_save", no_save)
+    monkeypatch.setattr(assets, "publish_dir", no_save)
     monkeypatch.setattr(assets, "PreTrainedTokenizerFast", LoadStub)
     assert assets.build_qwen3_tokenizer(save_dir) == ("loaded", str(save_dir))
 

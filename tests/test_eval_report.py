@@ -13,7 +13,7 @@ from eval.run import acceptance_metrics, run_eval
 from eval.spec_decode import RoundRecord
 from modeling.target import load_target
 from train.algorithms import BlockAlgorithm
-from train.recipe import load_recipe
+from core.recipe import load_recipe
 
 
 def test_acceptance_metrics_by_hand():

@@ -25,10 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from export.main import export_draft, main as export_main  # noqa: E402
+from export.convert import export_draft  # noqa: E402
+from export.main import main as export_main  # noqa: E402
 from modeling.dspark import DSparkModel, build_dspark_config  # noqa: E402
 from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping  # noqa: E402
-from train.algorithms import _save  # noqa: E402
+from modeling.registry import save_draft  # noqa: E402
 
 VOCAB, HIDDEN = 96, 32
 
@@ -51,7 +52,7 @@ def make_block_draft(path: Path, *, markov_rank: int, head_type: str = "vanilla"
     with torch.no_grad():  # norms start at 1 and biases at 0: make every tensor distinctive
         for p in model.parameters():
             p.add_(torch.rand_like(p) * 0.5 + 0.25)
-    _save(model, model.config, path)
+    save_draft(model, path)
     return path
 
 
@@ -65,7 +66,7 @@ def make_eagle3_draft(path: Path, *, draft_vocab: int = 48, seed: int = 0) -> Pa
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.02 + 0.3)
-    _save(model, model.config, path)
+    save_draft(model, path)
     return path
 
 

@@ -29,7 +29,8 @@ import pytest
 from conftest import LIVE_SUMMARY, ROOT, run_cli, set_args
 from eval.live import (LiveServer, ServerStartError, SpecCounters, default_engine_python, free_port,
                        parse_prometheus, sglang_request_counters, sglang_server_accept_length, tagged_processes,
-                       vllm_command, vllm_spec_counters)
+                       vllm_spec_counters)
+from export.serving import vllm_command
 
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
 
@@ -249,15 +250,15 @@ def test_vllm_refusing_a_draft_fails_with_its_log_and_leaves_nothing(vllm_python
     """vLLM's CPU model runner refuses DSpark: the start fails with vLLM's own reason, and no process is left."""
     from transformers import AutoConfig
 
-    from export.main import export_draft
+    from export.convert import export_draft
     from modeling.dspark import DSparkModel, build_dspark_config
     from modeling.target import resolve_target
-    from train.algorithms import _save
+    from modeling.registry import save_draft
 
     target = resolve_target("smollm2-135m-instruct")
     config = build_dspark_config(AutoConfig.from_pretrained(target), num_layers=1, block_size=4,
                                  target_layer_ids=[1, 14, 27], mask_token_id=0, markov_rank=8)
-    _save(DSparkModel(config), config, tmp_path / "dspark")
+    save_draft(DSparkModel(config), tmp_path / "dspark")
     served = export_draft(tmp_path / "dspark", "vllm", tmp_path / "served", verifier=target)
     port = free_port()
     server = LiveServer(vllm_command(vllm_python, target, served, "dspark", 4, port, extra=("--enforce-eager",)),

@@ -9,9 +9,9 @@ import torch
 from data.cache import CacheCorruptedError, CacheMismatchError
 from data.capture import open_cache
 from modeling.target import load_tokenizer
-from train.main import main
-from train.recipe import load_recipe
-from train.stage import StageMismatchError
+from pipeline import main
+from core.recipe import load_recipe
+from core.stage import StageMismatchError
 
 from conftest import run_cli, tiny_overrides, tree_digest
 

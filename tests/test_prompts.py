@@ -1,4 +1,4 @@
-"""Tests for data.prompts: sources, row shapes, errors, dedup, splitting and mixing."""
+"""Tests for data.sources and data.prompts: sources, row shapes, errors, dedup, splitting and mixing."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from data import prompts as P
-from data.prompts import Prompt, eval_prompts, is_holdout, load_prompts, load_source
+from data import sources as P
+from data.prompts import eval_prompts, is_holdout, load_prompts
+from data.sources import Prompt, load_source
 
 
 @dataclass

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from train.recipe import RecipeError, list_recipes, load_recipe
+from core.recipe import RecipeError, list_recipes, load_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,9 +7,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from data.prompts import Prompt
+from data.sources import Prompt
 from data.regenerate import Answer, OpenAIBackend, regenerate_chunk
-from train.recipe import load_recipe
+from core.recipe import load_recipe
 
 
 class _ChatServer:

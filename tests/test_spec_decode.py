@@ -27,11 +27,11 @@ from eval.spec_decode import (
     target_generate,
     verify_sampling,
 )
-from export.main import export_draft
+from export.convert import export_draft
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping
 from modeling.target import capture_hidden_states
-from train.algorithms import _save
+from modeling.registry import save_draft
 
 V, H, LAYER_IDS, GAMMA = 300, 64, [0, 1, 3], 4
 PROMPTS = [[7], [3, 14, 15, 92, 65], [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]]
@@ -331,7 +331,7 @@ def test_ngram_lookup():
 
 def test_load_draft_round_trip(target, tmp_path):
     dspark = make_dspark(target)
-    _save(dspark, dspark.config, tmp_path / "dspark")
+    save_draft(dspark, tmp_path / "dspark")
     loaded = load_draft(tmp_path / "dspark", target)
     assert isinstance(loaded, DSparkDrafter) and loaded.layer_ids == LAYER_IDS
     for name, value in dspark.state_dict().items():
@@ -343,7 +343,7 @@ def test_load_draft_round_trip(target, tmp_path):
     torch.testing.assert_close(served.model.embed_tokens.weight, target.model.embed_tokens.weight)
 
     eagle = make_eagle3(target)
-    _save(eagle, eagle.config, tmp_path / "eagle3")
+    save_draft(eagle, tmp_path / "eagle3")
     # SGLang's EAGLE3 export drops the embedding (the target's) and keeps the draft's own lm_head.
     loaded = load_draft(export_draft(tmp_path / "eagle3", "sglang", tmp_path / "eagle3-export"), target)
     assert isinstance(loaded, Eagle3Drafter) and torch.equal(loaded.model.d2t, eagle.d2t)
@@ -443,3 +443,4 @@ def test_sampled_output_matches_target_distribution(one_hot, gamma, runs):
     proposed = torch.bincount(torch.tensor([first[0] for first in drafter.first]), minlength=8).double()
     bad_stat, bad_df = chi2_pooled(proposed, p1)
     assert bad_stat > 10 * chi2_critical(bad_df), (bad_stat, bad_df)
+

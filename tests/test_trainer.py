@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import run_cli, tiny_overrides
 
@@ -152,3 +152,35 @@ def test_non_finite_loss_stops_with_last_good_checkpoint(prepared, tiny_qwen3, p
     state = torch.load(out / "train" / "checkpoints" / latest / "trainer_state.pt", weights_only=False)
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
     assert not (out / "train" / "DONE.json").exists()
+
+
+def test_eval_and_export_stages_run_again_when_their_inputs_change(prepared, tiny_qwen3, prompt_file, tmp_path,
+                                                                    capsys):
+    from pipeline import main
+
+    out = copy_run(prepared, "dspark", tmp_path / "run")
+    evals = {"eval.dataset": str(prompt_file), "eval.num_samples": 2, "eval.max_new_tokens": 6}
+
+    def run(**extra):
+        assert main(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",
+                               **{"train.max_steps": 2, **evals, **extra})) == 0
+        return capsys.readouterr().out, json.loads((out / "eval" / "report.json").read_text())
+
+    printed, first = run()
+    assert first["max_new_tokens"] == 6 and "running it again" not in printed
+    printed, again = run()  # nothing changed: both stages skip
+    assert "eval is complete; skipping" in printed.replace(str(out / "eval"), "eval")
+    assert "export is complete; skipping" in printed.replace(str(out / "export"), "export")
+    printed, changed = run(**{"eval.max_new_tokens": 9})  # a changed eval.* key: never the old report
+    assert "eval.max_new_tokens: 6 in the folder, 9 now" in printed and changed["max_new_tokens"] == 9
+    assert json.loads((out / "eval" / "settings.json").read_text())["eval"]["max_new_tokens"] == 9
+
+    # a retrained draft (other weights in train/final) is evaluated and exported again
+    final = out / "train" / "final" / "model.safetensors"
+    weights = load_file(str(final))
+    weights["fc.weight"] = weights["fc.weight"] * 0.5
+    save_file(weights, str(final))
+    printed, _ = run(**{"eval.max_new_tokens": 9})
+    assert "draft_sha256" in printed and "eval is complete" not in printed.replace(str(out / "eval"), "eval")
+    exported = load_file(str(out / "export" / "sglang" / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], weights["fc.weight"])

@@ -17,11 +17,12 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from modeling.dspark import DSparkModel, block_targets, build_dspark_config, sample_anchor_positions
-from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping, count_tokens, ttt_valid_mask
-from train.loss import block_loss, eagle3_loss
+from data.capture import read_loss_token_counts
+from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping, ttt_valid_mask
+from modeling.registry import architecture_for_family, save_draft
+from train.loss import block_loss, block_weight_sum, eagle3_loss, eagle3_weight_sum
 
 # SmolLM2's vocabulary has no MASK token, and SGLang needs an id inside the target vocabulary (it reads the mask
 # embedding from the target's embed_tokens). <|endoftext|> (id 0) never occurs inside a chat, so its embedding is a
@@ -64,19 +65,11 @@ def attach_hidden(batch: dict, records: list[dict], device, dtype) -> dict:
     return {**batch, "hidden_states": hidden.to(device), "last_hidden_state": last.to(device)}
 
 
-def _save(module: torch.nn.Module, config, path: Path) -> None:
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(path)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
 class _TrainModule(torch.nn.Module):
     """A drafter (`self.draft`) plus what its loss needs; checkpoints export the drafter alone."""
 
     def save_draft(self, path: Path) -> None:
-        _save(self.draft, self.draft.config, path)
+        save_draft(self.draft, path)
 
 
 # --- DSpark / DFlash ----------------------------------------------------------------------------------------------
@@ -124,8 +117,7 @@ class BlockAlgorithm:
         for i, a in enumerate(per_sample):
             anchors[i, : len(a)] = a
         labels, prev_ids, target_pos, valid = block_targets(batch["input_ids"].cpu(), loss_mask, anchors, gamma)
-        decay = torch.exp(-torch.arange(gamma, dtype=torch.float64) / recipe.loss.loss_decay_gamma)
-        batch["weight_sum"] = float((valid.double() * decay).sum())
+        batch["weight_sum"] = block_weight_sum(valid, recipe.loss.loss_decay_gamma)
         extra = dict(anchor_positions=anchors, labels=labels, prev_ids=prev_ids, target_pos=target_pos, valid=valid)
         batch.update({k: v.to(device) for k, v in extra.items()})
         return batch
@@ -173,7 +165,7 @@ class Eagle3Algorithm:
     def build(recipe, target, cache) -> Eagle3TrainModule:
         d = recipe.draft
         vocab = target.config.vocab_size
-        counts = count_tokens(((cache[i]["input_ids"], cache[i]["loss_mask"]) for i in range(len(cache))), vocab)
+        counts = read_loss_token_counts(cache, vocab)
         draft_vocab = min(d.draft_vocab_size or vocab, vocab)
         d2t, t2d = build_vocab_mapping(counts, draft_vocab)
         config = build_eagle3_config(target.config, num_layers=d.num_layers, draft_vocab_size=draft_vocab,
@@ -188,8 +180,7 @@ class Eagle3Algorithm:
         batch = pad_records(records, device)
         valid = ttt_valid_mask(batch["loss_mask"], batch["attention_mask"], recipe.draft.ttt_length)
         batch["step_valid"] = list(valid)
-        decay = recipe.loss.step_loss_decay
-        batch["weight_sum"] = float(sum(decay**k * v.sum().item() for k, v in enumerate(valid)))
+        batch["weight_sum"] = eagle3_weight_sum(valid, recipe.loss.step_loss_decay)
         return batch
 
     @staticmethod
@@ -209,10 +200,9 @@ class Eagle3Algorithm:
         return {"loss": flat[0] / weight_total, "accept_rate": acc, "tau": tau}
 
 
-ALGORITHMS = {"dspark": BlockAlgorithm, "dflash": BlockAlgorithm, "eagle3": Eagle3Algorithm}
+# Keyed by the registry's architecture: DSpark and DFlash are one model, hence one algorithm.
+ALGORITHMS = {"Qwen3DSparkModel": BlockAlgorithm, "LlamaForCausalLMEagle3": Eagle3Algorithm}
 
 
 def get_algorithm(family: str):
-    if family not in ALGORITHMS:
-        raise ValueError(f"unknown drafter family '{family}'; known: {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[family]
+    return ALGORITHMS[architecture_for_family(family).name]

@@ -61,14 +61,26 @@ def _out_features(linear) -> int:
     return int(out) if out is not None else int(linear.weight.shape[0])
 
 
-def position_weights(gamma: int, gamma_decay: float | None, device=None) -> torch.Tensor:
-    """[gamma] fp32: exp(-(k-1)/gamma_decay) for k = 1..gamma (all ones when gamma_decay is None)."""
-    k = torch.arange(gamma, dtype=torch.float32, device=device)
+def position_weights(gamma: int, gamma_decay: float | None, device=None, dtype=torch.float32) -> torch.Tensor:
+    """[gamma]: w_k = exp(-(k-1)/gamma_decay) for k = 1..gamma (all ones when gamma_decay is None)."""
+    k = torch.arange(gamma, dtype=dtype, device=device)
     if gamma_decay is None:
         return torch.ones_like(k)
     if gamma_decay <= 0:
         raise ValueError(f"gamma_decay must be > 0 (or None for no decay), got {gamma_decay}")
     return torch.exp(-k / float(gamma_decay))
+
+
+def block_weight_sum(valid: torch.Tensor, gamma_decay: float | None) -> float:
+    """The block loss's denominator for a batch: sum of w_k over its valid predictions ([..., gamma] bool), in
+    float64. The trainer adds it up over micro-batches and ranks before dividing, so the whole global batch
+    shares one denominator."""
+    return float((valid.double() * position_weights(valid.shape[-1], gamma_decay, dtype=torch.float64)).sum())
+
+
+def eagle3_weight_sum(valid: Sequence[torch.Tensor], step_decay: float) -> float:
+    """Eagle3's denominator for a batch: sum over TTT steps k of step_decay**k x (valid positions of step k)."""
+    return float(sum(step_decay**k * v.sum().item() for k, v in enumerate(valid)))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -402,6 +414,8 @@ __all__ = [
     "Eagle3LossOut",
     "auto_chunk_size",
     "block_loss",
+    "block_weight_sum",
     "eagle3_loss",
+    "eagle3_weight_sum",
     "position_weights",
 ]

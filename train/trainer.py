@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from train import stage
+from core import stage
+from core.io import atomic_write_text, publish_dir
 from train.algorithms import attach_hidden, get_algorithm
-from train.dist import Dist, fault_point
-from train.recipe import recipe_to_dict
+from core.dist import Dist, fault_point
+from core.recipe import recipe_to_dict
 
 
 # --- data order ---------------------------------------------------------------------------------------------------
@@ -82,7 +83,7 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
                    path / "trainer_state.pt")
     dist.barrier()
     if dist.is_main:
-        stage.atomic_write_text(ckpt_root / "latest", path.name + "\n")
+        atomic_write_text(ckpt_root / "latest", path.name + "\n")
     dist.barrier()
     return path
 
@@ -204,7 +205,7 @@ class Logger:
         # Drop steps after the checkpoint we resume from: they are about to be recomputed.
         if self.path.is_file():
             kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            stage.atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+            atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb = SummaryWriter(str(out_dir / "tensorboard"))
@@ -252,10 +253,9 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
                 "train": {k: v for k, v in vars(train).items()
                           if k not in ("log_every", "wandb_project", "keep_checkpoints")},
                 "cache_index_sha256": cache.manifest.get("index_sha256")}
-    stage.begin(out_dir, settings, dist.is_main)
-    if stage.is_done(out_dir):
-        dist.print(f"[train] {out_dir} is complete; skipping")
-        return stage.read_done(out_dir)
+    done = stage.start(out_dir, settings, "train", dist.is_main)
+    if done is not None:
+        return done
 
     per_step = train.micro_batch_size * dist.world_size
     if train.global_batch_size % per_step:
@@ -359,7 +359,5 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
 
 def _export_final(checkpoint: Path, out_dir: Path) -> None:
     """Copy the last checkpoint's draft folder to out/train/final (what eval and export read)."""
-    final = out_dir / "final"
-    if final.exists():
-        shutil.rmtree(final)
-    shutil.copytree(checkpoint / "draft", final)
+    with publish_dir(out_dir / "final") as tmp:
+        shutil.copytree(checkpoint / "draft", tmp, dirs_exist_ok=True)

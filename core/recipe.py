@@ -24,6 +24,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+#: the drafter families a recipe trains; modeling/registry.py maps each to its model class.
 FAMILIES = ("dspark", "dflash", "eagle3")
 
 
@@ -154,7 +155,7 @@ class EvalConfig:
 
 @dataclass
 class Recipe:
-    family: Literal["dspark", "dflash", "eagle3"] = "dspark"
+    family: Literal[FAMILIES] = "dspark"
     seed: int = 42
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -1,0 +1,142 @@
+"""Atomic, durable file and folder publishing: the one place DraftSmith writes anything a crash could leave half done.
+
+A reader sees the old file (or folder) or the whole new one, never a part: everything is written under a temporary
+name in the destination's own folder, fsynced, then moved into place with os.replace, and the folder entry is
+fsynced too (a rename is only durable once the directory itself reaches the disk).
+
+    atomic_write_json(run / "DONE.json", stats)
+    with publish_dir(out / "final") as tmp:     # tmp is a fresh folder beside out/final
+        save_something(tmp)                     # on success it replaces out/final in one rename
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+FILE_MODE = 0o644  # mkstemp makes files 0600; a serving engine may read them as another user
+
+
+def fsync_dir(path) -> None:
+    fd = os.open(str(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_file(handle) -> None:
+    """Flush an open file object all the way to the disk."""
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def replace(src, dst) -> None:
+    """os.replace(src, dst), durable: the destination folder's entry is fsynced."""
+    os.replace(src, dst)
+    fsync_dir(Path(dst).resolve().parent)
+
+
+def atomic_write_bytes(path, data: bytes, *, tmp_path=None) -> None:
+    """Write `data` to `path` atomically. `tmp_path` fixes the temporary name (a format whose recovery recognises
+    its own scratch files, like the hidden-state cache); by default it is a unique name beside `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if tmp_path is None:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        handle = os.fdopen(fd, "wb")
+    else:
+        tmp = str(tmp_path)
+        handle = open(tmp, "wb")
+    try:
+        with handle:
+            handle.write(data)
+            sync_file(handle)
+        os.chmod(tmp, FILE_MODE)
+        replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_json(path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path, validate: Callable | None = None):
+    """json.load(path), then `validate(obj)` if given; every error (bad JSON or invalid content) names the file."""
+    with open(path) as handle:
+        try:
+            obj = json.load(handle)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err})") from err
+    if validate is None:
+        return obj
+    try:
+        return validate(obj)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
+
+
+def _sync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_dir(folder)
+
+
+@contextlib.contextmanager
+def publish_dir(dst, *, if_exists: str = "replace") -> Iterator[Path]:
+    """Yield a fresh temporary folder beside `dst`; when the block ends without an error, fsync what it holds and
+    move it to `dst` in one rename. On an error nothing changes at `dst` and the temporary folder is removed.
+
+    if_exists: "replace" (the old folder is moved aside only once the new one is complete, then deleted),
+    "keep" (another process published first, e.g. a parallel rank converting the same model: keep theirs),
+    "error" (FileExistsError).
+    """
+    if if_exists not in ("replace", "keep", "error"):
+        raise ValueError(f"if_exists must be replace, keep or error, got {if_exists!r}")
+    dst = Path(dst)
+    if if_exists == "error" and dst.exists():
+        raise FileExistsError(f"{dst} already exists")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        _sync_tree(tmp)
+        if dst.exists() and if_exists == "replace":
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
+            os.replace(dst, old / "x")
+            replace(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                replace(tmp, dst)
+            except OSError:
+                # rename(2) fails on a non-empty destination: someone else published it meanwhile.
+                if if_exists == "keep" and dst.is_dir() and any(dst.iterdir()):
+                    return
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sha256_file(path, chunk: int = 16 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

@@ -1,0 +1,104 @@
+"""The stage protocol every stage follows (regenerate, cache, train, eval, export): pin, skip when done, mark done.
+
+Each stage writes into its own folder under the run's --out:
+
+    done = stage.start(folder, settings, "cache", dist.is_main)   # pins settings.json, or checks them
+    if done is not None:
+        return done                                               # complete: skip, return its DONE.json
+    ...                                                           # the work (itself resumable)
+    stage.mark_done(folder, stats)                                # DONE.json, written last
+
+`settings` are the recipe values (and input digests) the folder's content depends on. A later run into the same
+folder with other settings is refused, naming the keys, because resuming or skipping would silently mix two
+recipes; stages that only derive a report from what they pin (eval, export) run again instead
+(`on_change="rerun"`). DONE.json is written last and atomically, so a stage is complete exactly when it exists.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.io import atomic_write_json, read_json
+
+SETTINGS_NAME = "settings.json"
+DONE_NAME = "DONE.json"
+
+
+class StageMismatchError(RuntimeError):
+    pass
+
+
+def _flatten(obj, prefix="") -> dict:
+    if isinstance(obj, dict):
+        out = {}
+        for key, value in obj.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): obj}
+
+
+def _changes(stage_dir: Path, settings: dict) -> list[str]:
+    """What differs between `settings` and the ones pinned to `stage_dir` (nothing pinned yet: no difference)."""
+    path = Path(stage_dir) / SETTINGS_NAME
+    if not path.is_file():
+        return []
+    old, new = _flatten(read_json(path)), _flatten(json.loads(json.dumps(settings)))
+    return [f"{k}: {old.get(k)!r} in the folder, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)]
+
+
+def begin(stage_dir: Path, settings: dict, is_main: bool = True) -> None:
+    """Pin `settings` to `stage_dir` (first run) or check they match what the folder was made with."""
+    diff = _changes(stage_dir, settings)
+    if diff:
+        raise StageMismatchError(
+            f"{stage_dir} was made with other settings:\n  " + "\n  ".join(diff)
+            + f"\nUse another --out, or delete {stage_dir} to rebuild it."
+        )
+    if is_main and not (Path(stage_dir) / SETTINGS_NAME).is_file():
+        atomic_write_json(Path(stage_dir) / SETTINGS_NAME, settings)
+
+
+def start(stage_dir: Path, settings: dict, name: str, is_main: bool = True, on_change: str = "refuse") -> dict | None:
+    """`begin`, then the stage's DONE.json contents when it is already complete (the caller skips), else None.
+
+    on_change="rerun" (stages that only derive a report from inputs they pin, like eval and export): other settings
+    than the folder's unpin it and run the stage again instead of refusing; nothing costly is lost."""
+    if on_change not in ("refuse", "rerun"):
+        raise ValueError(f"on_change must be 'refuse' or 'rerun', got {on_change!r}")
+    diff = _changes(stage_dir, settings) if on_change == "rerun" else []
+    if diff and is_main:
+        print(f"[{name}] {stage_dir} was made with other settings; running it again:\n  " + "\n  ".join(diff),
+              flush=True)
+        (Path(stage_dir) / DONE_NAME).unlink(missing_ok=True)  # first: a crash from here on leaves it not done
+        atomic_write_json(Path(stage_dir) / SETTINGS_NAME, settings)
+    begin(stage_dir, settings, is_main)
+    if not is_done(stage_dir):
+        return None
+    if is_main:
+        print(f"[{name}] {stage_dir} is complete; skipping", flush=True)
+    return read_done(stage_dir)
+
+
+def is_done(stage_dir: Path) -> bool:
+    return (Path(stage_dir) / DONE_NAME).is_file()
+
+
+def mark_done(stage_dir: Path, stats: dict) -> None:
+    atomic_write_json(Path(stage_dir) / DONE_NAME, stats)
+
+
+def read_done(stage_dir: Path) -> dict:
+    return read_json(Path(stage_dir) / DONE_NAME)
+
+
+def throughput(tokens: float, seconds: float) -> dict:
+    """The timing fields every stage records in DONE.json."""
+    return {"seconds": round(seconds, 2), "tokens_this_run": int(tokens),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0}
+
+
+def throughput_line(stats: dict) -> str:
+    return (f"this run: {stats['tokens_this_run']} tokens in {stats['seconds']:.1f} s "
+            f"({stats['tokens_per_s']} tok/s)")

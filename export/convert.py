@@ -1,0 +1,341 @@
+"""Export a trained DraftSmith draft folder to a serving checkpoint (SGLang 0.5.23 or vLLM/speculators).
+
+    from export.convert import export_draft; export_draft("runs/x/train/final", "sglang", "exported/x")
+    python export/main.py --checkpoint runs/x/train/final --to sglang --out exported/x      (the CLI)
+
+Input: a draft folder (modeling/registry.py): `config.json`, whose `architectures[0]` is `Qwen3DSparkModel` for
+DSpark/DFlash or `LlamaForCausalLMEagle3` for Eagle3, and `model.safetensors` with the model's own state-dict keys.
+
+Which serving algorithm a draft maps to (SGLang names; export/serving.py `detect_algorithm`):
+    LlamaForCausalLMEagle3                              -> EAGLE3  (LlamaForCausalLMEagle3)
+    Qwen3DSparkModel, 1+N layout (sample_from_anchor=False), markov_rank=0, no confidence head
+                                                        -> DFLASH  (DFlashDraftModel; dflash_config.block_size=gamma+1)
+    Qwen3DSparkModel, anything else                     -> DSPARK  (Qwen3DSparkModel; block_size=gamma)
+
+Strictness: the expected tensors are the registry's model built on the meta device from the draft's own config
+(every name, shape and dtype), renamed or dropped per (engine, architecture) by `SERVING_NAMES`. A missing key, a
+wrong shape or dtype, or a stray key raises ValueError naming the key, and nothing is left at `out`: the export is
+written into a temporary folder next to `out` and moved into place only when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from core import stage
+from core.io import publish_dir, sha256_file
+from export.serving import ALGORITHMS, ENGINES, STS_FILENAME, detect_algorithm, load_sts, serve_command
+from modeling.registry import CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config
+from modeling.target import resolve_target
+
+# Parameter dtypes a draft may be stored in; all floating tensors of one draft must share one of them.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Serving name of each draft tensor, per (engine, architecture); a name not listed keeps its own name. None = dropped
+# (the engine uses the target's copy, so the draft may lack it); a key ending in "." renames a prefix.
+SERVING_NAMES = {
+    ("sglang", "Qwen3DSparkModel"): {"embed_tokens.weight": None, "lm_head.weight": None},
+    ("vllm", "Qwen3DSparkModel"): {},  # speculators checkpoints keep the frozen copies
+    ("sglang", "LlamaForCausalLMEagle3"): {"embed_tokens.weight": None},
+    ("vllm", "LlamaForCausalLMEagle3"): {"midlayer.": "layers.0."},  # speculators numbers SGLang's midlayer 0
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the key map: its name in the trained draft, its name in the export (None = dropped: the serving
+    engine uses the target's copy), its shape, and its dtype ("float" = the draft's floating dtype)."""
+
+    src: str
+    dst: str | None
+    shape: tuple[int, ...]
+    dtype: object = "float"
+    required: bool = True  # a dropped tensor may be absent from the source (it is checked when present)
+
+
+def _serving_name(name: str, names: dict) -> str | None:
+    if name in names:
+        return names[name]
+    for prefix, new in names.items():
+        if prefix.endswith(".") and name.startswith(prefix):
+            return new + name[len(prefix):]
+    return name
+
+
+def key_map(cfg: dict, engine: str) -> list[Entry]:
+    """Every tensor a draft with this config.json must hold, with its serving name for `engine`."""
+    arch = detect(cfg)
+    try:
+        model = meta_model(cfg)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"config.json cannot describe a {arch.name}: {err}") from err
+    names = SERVING_NAMES[(engine, arch.name)]
+    entries = []
+    for name, tensor in model.state_dict().items():
+        dst = _serving_name(name, names)
+        dtype = "float" if tensor.is_floating_point() else tensor.dtype
+        entries.append(Entry(name, dst, tuple(tensor.shape), dtype, required=dst is not None))
+    return entries
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config checks
+
+
+def _block_layer_ids(cfg: dict) -> list[int]:
+    ids = cfg.get("target_layer_ids") or (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    if not ids:
+        raise ValueError("config has no target_layer_ids (HF layer-output ids of the captured target layers)")
+    return [int(i) for i in ids]
+
+
+def _eagle3_layer_ids(cfg: dict) -> list[int]:
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise ValueError("config has no eagle_config.eagle_aux_hidden_state_layer_ids")
+    return [int(i) for i in ids]
+
+
+def _require(cfg: dict, *keys: str) -> None:
+    for key in keys:
+        if cfg.get(key) is None:
+            raise ValueError(f"config.json is missing required key {key!r}")
+
+
+def _anchor_first_refusal(cfg: dict) -> str:
+    return (f"this draft uses the anchor-first block layout (sample_from_anchor={cfg.get('sample_from_anchor')!r}, "
+            f"markov_rank={cfg.get('markov_rank', 0)}, enable_confidence_head={cfg.get('enable_confidence_head')}); "
+            "SGLang DFLASH reads the 1+N layout (block_size = gamma+1, the anchor slot predicts nothing), so it would "
+            "load and silently accept nothing. Anchor-first drafts export as DSPARK (Qwen3DSparkModel, "
+            "block_size = gamma), with markov_rank=0 for a plain DFlash draft; only drafts trained with "
+            "sample_from_anchor=False, markov_rank=0 and no confidence head may export as DFLASH")
+
+
+def _check_serving_support(cfg: dict, algorithm: str, target: str) -> None:
+    if algorithm == "dflash" and cfg.get("architectures", [None])[0] == "Qwen3DSparkModel":
+        if cfg.get("sample_from_anchor") is not False or int(cfg.get("markov_rank", 0) or 0) != 0 \
+                or cfg.get("enable_confidence_head"):
+            raise ValueError(f"cannot export as DFLASH: {_anchor_first_refusal(cfg)}")
+    if algorithm == "dspark":
+        _require(cfg, "mask_token_id", "block_size")
+        if target == "sglang" and int(cfg.get("markov_rank", 0) or 0) <= 0:
+            raise ValueError("cannot export as SGLang DSPARK: markov_rank=0, and SGLang 0.5.23's Qwen3DSparkModel "
+                             "raises 'DSpark draft requires markov_rank > 0'. A markov_rank=0 draft serves in SGLang "
+                             "only as DFLASH, which needs the 1+N layout (sample_from_anchor=False)")
+    if algorithm == "dflash":
+        _require(cfg, "mask_token_id", "block_size")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Serving configs
+
+
+def _base_transformer_config(cfg: dict, drop: tuple[str, ...]) -> dict:
+    return {k: v for k, v in cfg.items() if k not in drop and not k.startswith("_") and k != "transformers_version"}
+
+
+_BLOCK_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id", "markov_rank",
+               "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor",
+               "dflash_config", "auto_map")
+
+
+def sglang_config(cfg: dict, algorithm: str) -> dict:
+    if algorithm == "eagle3":
+        out = _base_transformer_config(cfg, ("ttt_length",))
+        out["architectures"] = ["LlamaForCausalLMEagle3"]
+        out["model_type"] = "llama"
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": _eagle3_layer_ids(cfg),  # HF layer-output ids
+                               "use_aux_hidden_state": True}
+        out["draft_vocab_size"] = int(cfg["draft_vocab_size"])
+        out["tie_word_embeddings"] = False
+        return out
+    out = _base_transformer_config(cfg, _BLOCK_KEYS)
+    out["model_type"] = "qwen3"
+    gamma = int(cfg["block_size"])
+    layer_ids = _block_layer_ids(cfg)
+    dflash = {"target_layer_ids": layer_ids, "mask_token_id": int(cfg["mask_token_id"])}
+    if cfg.get("num_target_layers") is not None:
+        dflash["num_target_layers"] = int(cfg["num_target_layers"])
+        out["num_target_layers"] = int(cfg["num_target_layers"])
+    if algorithm == "dflash":
+        out["architectures"] = ["DFlashDraftModel"]
+        dflash["block_size"] = gamma + 1  # SGLang DFLASH: the full verify width of the 1+N block
+        out["block_size"] = gamma + 1
+        out["dflash_config"] = dflash
+        return out
+    rank = int(cfg.get("markov_rank", 0) or 0)
+    out["architectures"] = ["Qwen3DSparkModel"]
+    out.update(block_size=gamma, mask_token_id=int(cfg["mask_token_id"]), markov_rank=rank,
+               markov_head_type=cfg.get("markov_head_type", "vanilla"),
+               sample_from_anchor=bool(cfg.get("sample_from_anchor", True)),
+               enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
+               confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", rank > 0)),
+               target_layer_ids=layer_ids)
+    dflash["block_size"] = gamma  # SGLang DSPARK: block_size is gamma
+    out["dflash_config"] = dflash
+    return out
+
+
+def _vllm_layer_ids(hf_output_ids: list[int]) -> list[int]:
+    """vLLM numbers an aux hidden state by how many decoder layers produced it (id k = the input of layer k), so
+    its ids are our HF layer-output ids + 1. Its speculators reader maps dflash/dspark ids back with k - 1."""
+    return [i + 1 for i in hf_output_ids]
+
+
+def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
+    """A speculators-format config.json (vLLM reads `speculators_config` + `transformer_layer_config`)."""
+    if algorithm == "eagle3":
+        layer = _base_transformer_config(cfg, ("ttt_length", "eagle_config", "draft_vocab_size", "target_hidden_size",
+                                               "architectures"))
+        layer["architectures"] = ["LlamaForCausalLM"]
+        layer["model_type"] = "llama"
+        out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+               "transformer_layer_config": layer, "draft_vocab_size": int(cfg["draft_vocab_size"]),
+               "target_hidden_size": int(cfg.get("target_hidden_size") or cfg["hidden_size"]),
+               "eagle_aux_hidden_state_layer_ids": _vllm_layer_ids(_eagle3_layer_ids(cfg)),
+               "norm_before_residual": False}
+        speculative_tokens = int(cfg.get("ttt_length", 3) or 3)
+    else:
+        layer = _base_transformer_config(cfg, _BLOCK_KEYS + ("architectures",))
+        layer["architectures"] = ["Qwen3ForCausalLM"]
+        layer["model_type"] = "qwen3"
+        name = "DFlashSpeculator" if algorithm == "dflash" else "DSparkSpeculator"
+        rank = int(cfg.get("markov_rank", 0) or 0)
+        out = {"architectures": [name], "speculators_model_type": algorithm, "transformer_layer_config": layer,
+               "draft_vocab_size": int(cfg["vocab_size"]),
+               "aux_hidden_state_layer_ids": _vllm_layer_ids(_block_layer_ids(cfg)),
+               "block_size": int(cfg["block_size"]), "mask_token_id": int(cfg["mask_token_id"]),
+               "sample_from_anchor": bool(cfg.get("sample_from_anchor", True))}
+        if algorithm == "dspark":
+            out.update(markov_rank=rank, markov_head_type=cfg.get("markov_head_type", "vanilla"),
+                       enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
+                       confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", rank > 0)))
+        speculative_tokens = int(cfg["block_size"])
+    out["speculators_config"] = {
+        "algorithm": algorithm,
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier, "architectures": []},
+    }
+    out["speculators_version"] = "draftsmith"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Export
+
+
+def _validate(state: dict[str, torch.Tensor], entries: list[Entry]) -> dict[str, torch.Tensor]:
+    """Check `state` against the key map; return {serving name: tensor}. Raises ValueError naming the key."""
+    known = {e.src: e for e in entries}
+    stray = sorted(set(state) - set(known))
+    if stray:
+        raise ValueError(f"unexpected key {stray[0]!r} in the checkpoint (not in the key map)"
+                         + (f"; {len(stray) - 1} more: {stray[1:6]}" if len(stray) > 1 else ""))
+    float_dtype = None
+    out = {}
+    for e in entries:
+        if e.src not in state:
+            if e.required:
+                raise ValueError(f"missing key {e.src!r} (expected shape {list(e.shape)})")
+            continue
+        t = state[e.src]
+        if tuple(t.shape) != e.shape:
+            raise ValueError(f"key {e.src!r} has shape {list(t.shape)}, expected {list(e.shape)}")
+        if e.dtype == "float":
+            if t.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"key {e.src!r} has dtype {t.dtype}, expected one of {FLOAT_DTYPES}")
+            float_dtype = float_dtype or t.dtype
+            if t.dtype != float_dtype:
+                raise ValueError(f"key {e.src!r} has dtype {t.dtype}, the draft's other weights are {float_dtype}")
+        elif t.dtype != e.dtype:
+            raise ValueError(f"key {e.src!r} has dtype {t.dtype}, expected {e.dtype}")
+        if e.dst is not None:
+            out[e.dst] = t.contiguous()
+    return out
+
+
+def _check_eagle3_mapping(cfg: dict, state: dict[str, torch.Tensor]) -> None:
+    d2t, t2d = state["d2t"], state["t2d"]
+    kept = torch.arange(d2t.numel(), dtype=torch.int64) + d2t
+    if int(t2d.sum()) != d2t.numel() or not torch.equal(kept, torch.nonzero(t2d).reshape(-1)):
+        raise ValueError("key 'd2t' disagrees with 't2d': arange(draft_vocab_size) + d2t must be the ids where t2d")
+
+
+def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = None, sts_path=None,
+                 verifier: str | None = None, overwrite: bool = False) -> Path:
+    """Export a trained draft folder to `to` ("sglang" | "vllm") at `out_dir`; returns the output path.
+
+    algorithm: None picks it from the config (see module docstring); "dflash"/"dspark"/"eagle3" forces one (and is
+    refused when the draft cannot serve that way). sts_path: a DSpark confidence calibration JSON to copy as sts.json
+    (default: the checkpoint folder's sts.json when present). verifier: target model id written into vLLM's
+    speculators_config. Raises ValueError on any mismatch; `out_dir` is then left untouched.
+    """
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if to not in ENGINES:
+        raise ValueError(f"--to must be one of {ENGINES}, got {to!r}")
+    weights_path = checkpoint_dir / WEIGHTS_NAME
+    cfg = read_config(checkpoint_dir)
+    if not weights_path.is_file():
+        raise FileNotFoundError(f"{weights_path} not found: expected a draft folder written by training "
+                                f"({CONFIG_NAME} + {WEIGHTS_NAME})")
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
+    detected = detect_algorithm(cfg)
+    algorithm = algorithm or detected
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if (algorithm == "eagle3") != (detected == "eagle3"):
+        raise ValueError(f"a {cfg['architectures'][0]} draft cannot export as {algorithm.upper()}")
+    _check_serving_support(cfg, algorithm, to)
+    if algorithm == "eagle3":
+        _require(cfg, "draft_vocab_size", "hidden_size", "vocab_size", "num_hidden_layers")
+        _eagle3_layer_ids(cfg)
+    else:
+        _require(cfg, "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size")
+        _block_layer_ids(cfg)
+
+    state = load_file(str(weights_path))
+    tensors = _validate(state, key_map(cfg, to))  # shapes/dtypes first, so the mapping check sees well-formed tensors
+    if algorithm == "eagle3":
+        _check_eagle3_mapping(cfg, state)
+    out_cfg = sglang_config(cfg, algorithm) if to == "sglang" else vllm_config(cfg, algorithm, verifier)
+
+    sts = Path(sts_path) if sts_path is not None else checkpoint_dir / STS_FILENAME
+    if sts_path is not None and not sts.is_file():
+        raise FileNotFoundError(f"sts file {sts} not found")
+    if sts.is_file():
+        load_sts(sts)  # the eval stage's own reader: refuses what SGLang would misread, naming the file
+
+    # overwrite: the old export is moved aside only once the new one is complete
+    with publish_dir(out_dir, if_exists="replace" if overwrite else "error") as tmp:
+        (tmp / CONFIG_NAME).write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if sts.is_file() and algorithm == "dspark":
+            shutil.copyfile(sts, tmp / STS_FILENAME)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+            if (checkpoint_dir / name).is_file():
+                shutil.copyfile(checkpoint_dir / name, tmp / name)
+    return out_dir
+
+
+def run_export_stage(draft_dir: Path, export_dir: Path, target_name: str, sts_path: Path | None) -> dict:
+    """The pipeline's `export` stage (rank 0): the SGLang checkpoint of the trained draft in export_dir/sglang, with
+    the eval's STS calibration beside a DSpark draft. Pinned to the draft's and the STS file's digests: a retrained
+    draft or a new calibration exports again. Returns {"path", "command"} (the command that serves it)."""
+    settings = {"draft_sha256": draft_digest(draft_dir), "target": target_name,
+                "sts_sha256": sha256_file(sts_path) if sts_path is not None else None}
+    done = stage.start(export_dir, settings, "export", on_change="rerun")
+    if done is None:
+        path = export_draft(draft_dir, "sglang", Path(export_dir) / "sglang", sts_path=sts_path, overwrite=True)
+        done = {"path": str(path), "command": serve_command(draft_dir, "sglang", path, resolve_target(target_name))}
+        stage.mark_done(export_dir, done)
+    return done

@@ -1,0 +1,146 @@
+"""The drafter registry: one entry per draft architecture, keyed by config.json's `architectures[0]`.
+
+A draft folder is `config.json` (a transformers config) + `model.safetensors` (the model's own state-dict keys).
+Training writes it (`save_draft`), eval and the live check load it (`load_draft_model`), export reads its expected
+tensor names and shapes from the registry's model built on the meta device (`meta_model`): every place that saves,
+detects or loads a draft goes through this file.
+
+    arch = architecture_for_family("dspark")          # -> the Qwen3DSparkModel entry
+    save_draft(model, run / "train" / "final")
+    model = load_draft_model(run / "train" / "final", target)   # frozen copies filled from the target if absent
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+
+from core.io import publish_dir, sha256_file
+from core.recipe import FAMILIES
+from modeling.dspark import DSparkModel
+from modeling.eagle3 import Eagle3Model
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class DraftArchitecture:
+    """name: `architectures[0]`; families: the recipe families trained as it; target_weights: weight name ->
+    "embed" | "head", the frozen copies of the target's embedding / lm_head, which serving exports may drop and
+    loading then takes back from the target."""
+
+    name: str
+    model_class: type
+    config_class: type
+    families: tuple[str, ...]
+    target_weights: dict = field(default_factory=dict)
+
+
+ARCHITECTURES = {a.name: a for a in (
+    DraftArchitecture("Qwen3DSparkModel", DSparkModel, Qwen3Config, ("dspark", "dflash"),
+                      {"embed_tokens.weight": "embed", "lm_head.weight": "head"}),
+    # Eagle3's lm_head is its own (trained, draft vocabulary): only the embedding is the target's.
+    DraftArchitecture("LlamaForCausalLMEagle3", Eagle3Model, LlamaConfig, ("eagle3",),
+                      {"embed_tokens.weight": "embed"}),
+)}
+assert sorted(f for a in ARCHITECTURES.values() for f in a.families) == sorted(FAMILIES), "a family has no drafter"
+
+
+def architecture_for_family(family: str) -> DraftArchitecture:
+    for arch in ARCHITECTURES.values():
+        if family in arch.families:
+            return arch
+    raise ValueError(f"unknown drafter family {family!r}; known: {', '.join(FAMILIES)}")
+
+
+def read_config(draft_dir) -> dict:
+    path = Path(draft_dir) / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: expected a draft folder written by training "
+                                f"({CONFIG_NAME} + {WEIGHTS_NAME})")
+    return json.loads(path.read_text())
+
+
+def detect(config: dict, where="config.json") -> DraftArchitecture:
+    """The registry entry of a draft config (a config.json dict); ValueError naming the known architectures."""
+    name = (config.get("architectures") or [None])[0]
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown draft architecture {name!r} in {where}; known: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[name]
+
+
+def is_draft_dir(path) -> bool:
+    path = Path(path)
+    if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
+        return False
+    try:
+        detect(read_config(path))
+    except (ValueError, json.JSONDecodeError):
+        return False
+    return True
+
+
+def draft_digest(draft_dir) -> str:
+    """sha256 over the draft's config.json and weights: what a stage that reads a draft pins (a retrained draft
+    changes it)."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        digest.update(name.encode() + b"\0" + sha256_file(Path(draft_dir) / name).encode())
+    return digest.hexdigest()
+
+
+def build_model(config: dict, device=None) -> nn.Module:
+    """A fresh model of the config's architecture (randomly initialised; on `device`, e.g. "meta")."""
+    arch = detect(config)
+    with torch.device(device or "cpu"):
+        return arch.model_class(arch.config_class.from_dict(config))
+
+
+def meta_model(config: dict) -> nn.Module:
+    """The architecture's model on the meta device: its state dict gives every expected name, shape and dtype
+    without allocating a byte (an 8B target's embedding would be gigabytes)."""
+    return build_model(config, "meta")
+
+
+def save_draft(model: nn.Module, path) -> Path:
+    """Publish `model` (its config + state dict, on CPU) as a draft folder at `path`, replacing what was there."""
+    config: PretrainedConfig = model.config
+    detect(config.to_dict())  # only registered architectures are written
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    with publish_dir(path) as tmp:
+        config.save_pretrained(tmp)
+        save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    return Path(path)
+
+
+def load_draft_model(draft_dir, target_model=None, *, dtype: torch.dtype | None = None) -> nn.Module:
+    """The model saved in `draft_dir`, frozen, on the target's device in `dtype` (default: the target's dtype, or
+    as saved without a target). Weights a serving export dropped (`target_weights`) are copied from the target."""
+    draft_dir = Path(draft_dir)
+    config = read_config(draft_dir)
+    arch = detect(config, draft_dir / CONFIG_NAME)
+    model = arch.model_class(arch.config_class.from_dict(config))
+    missing, unexpected = model.load_state_dict(load_file(str(draft_dir / WEIGHTS_NAME)), strict=False)
+    if unexpected or set(missing) - set(arch.target_weights) or (missing and target_model is None):
+        raise ValueError(f"{draft_dir / WEIGHTS_NAME} does not match {arch.name}: missing {sorted(missing)}"
+                         f"{' (a target model supplies them)' if missing and target_model is None else ''}, "
+                         f"unexpected {sorted(unexpected)}")
+    with torch.no_grad():
+        for name in missing:
+            source = target_model.get_input_embeddings() if arch.target_weights[name] == "embed" \
+                else target_model.get_output_embeddings()
+            model.get_parameter(name).copy_(source.weight)
+    if target_model is not None:
+        param = next(target_model.parameters())
+        model.to(device=param.device, dtype=dtype or param.dtype)
+    elif dtype is not None:
+        model.to(dtype=dtype)
+    return model.eval().requires_grad_(False)

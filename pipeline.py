@@ -1,0 +1,127 @@
+"""The driver: run a recipe's stages in order. Users type `train/main.py`, which calls `main` here.
+
+    torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages regenerate,cache --set data.num_prompts=64
+    python train/main.py --list-recipes
+
+Stages: regenerate (the target answers the prompts) -> cache (target hidden states) -> train -> eval -> export
+(an SGLang checkpoint in runs/<recipe>/export/sglang, with the eval's STS calibration beside a DSpark draft).
+Each stage writes into --out (default runs/<recipe>) and is skipped when its output is already complete
+(core/stage.py), so rerunning the same command after a crash resumes where it stopped.
+
+This file sits on top of the import graph: core/ and modeling/ at the bottom, then data/, train/, export/, eval/
+(tests/test_layout.py checks it); only the driver sees every stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from core.dist import close_dist, init_dist
+from core.io import atomic_write_text
+from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
+from data.capture import open_cache, run_cache
+from data.regenerate import run_regenerate
+from eval.run import print_summary, run_eval_stage
+from export.convert import run_export_stage
+from export.serving import STS_FILENAME
+from modeling.target import load_target, load_tokenizer, target_hidden_size
+from train.trainer import run_train
+
+STAGES = ("regenerate", "cache", "train", "eval", "export")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train/main.py",
+        description="Train a speculative-decoding drafter: regenerate -> cache -> train -> eval -> export.",
+        epilog="Example: torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m "
+               "--stages regenerate,cache --set data.num_prompts=64",
+    )
+    parser.add_argument("--recipe", help="recipe name (see --list-recipes) or path to a recipe .yaml")
+    parser.add_argument("--stages", default=",".join(STAGES),
+                        help=f"comma-separated stages to run, in order, from {','.join(STAGES)} (default: all)")
+    parser.add_argument("--out", help="output folder for every stage (default: runs/<recipe>)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set data.num_prompts=64 (repeatable; values are YAML)")
+    parser.add_argument("--list-recipes", action="store_true", help="print every recipe name, one a line, and exit")
+    args = parser.parse_args(argv)
+    if not args.list_recipes and not args.recipe:
+        parser.error("--recipe is required (see --list-recipes)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.list_recipes:
+        print("\n".join(list_recipes()))
+        return 0
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        print(f"error: unknown stage(s) {unknown}; stages are {', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("runs") / recipe.name)
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var) is None and recipe.target.name_or_path == "smollm2-135m-instruct":
+            os.environ[var] = "1"  # the embedded target never needs the hub
+
+    dist = init_dist()
+    try:
+        if dist.is_main:
+            atomic_write_text(out / "recipe.yaml", yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+        dist.print(f"[draftsmith] recipe {recipe.name} ({recipe.family}), target {recipe.target.name_or_path}, "
+                   f"stages {','.join(stages)}, out {out}, {dist.world_size} rank(s) on {dist.device.type}")
+        run_stages(recipe, stages, out, dist)
+    finally:
+        close_dist()
+    return 0
+
+
+def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
+    tokenizer = load_tokenizer(recipe.target.name_or_path)
+    model = None
+
+    def target():
+        nonlocal model
+        if model is None:
+            model = load_target(recipe.target.name_or_path, dist.device, recipe.target.dtype)
+        return model
+
+    eval_report = None
+    for name in stages:
+        start = time.perf_counter()
+        if name == "regenerate":
+            run_regenerate(recipe, out / "regen", dist, target, tokenizer)
+        elif name == "cache":
+            run_cache(recipe, out / "regen", out / "cache", dist, target, tokenizer)
+        elif name == "train":
+            cache = open_cache(recipe, out / "cache", target_hidden_size(recipe.target.name_or_path), tokenizer)
+            run_train(recipe, cache, out / "train", dist, target)
+        elif name == "eval":
+            if dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
+                eval_report = run_eval_stage(recipe, out / "train" / "final", out / "eval", target())
+                print_summary(eval_report)
+            dist.barrier()
+        elif name == "export":
+            if dist.is_main:
+                sts = out / "eval" / STS_FILENAME
+                done = run_export_stage(out / "train" / "final", out / "export", recipe.target.name_or_path,
+                                        sts if sts.is_file() else None)
+                print(f"[export] SGLang checkpoint: {done['path']}\n[export] serve it (GPU) with: {done['command']}",
+                      flush=True)
+            dist.barrier()
+        dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
+    if eval_report is not None:  # rank 0, eval among the stages
+        print(f"[draftsmith] done: accept length tau = {eval_report['accept_len']:.3f} "
+              f"({out / 'eval' / 'report.json'})", flush=True)

@@ -1,0 +1,135 @@
+"""The house rules, read from the source with `ast`: imports run one way, in the order data flows.
+
+    core/ (plumbing), modeling/  <  data/  <  train/  <  export/  <  eval/  <  the driver and the scripts
+
+No import from a lower layer to a higher one, no import loop, no project import hidden inside a function, nobody
+imports a script, and no file over ~600 lines without a reason written at its top.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+LAYERS = {"core": 0, "modeling": 1, "data": 2, "train": 3, "export": 4, "eval": 5}
+# Entry points users type: pipeline.py (the driver) and the command lines; they sit above every package.
+SCRIPTS = {"pipeline": "pipeline.py", "eval_cli": "eval.py", "train.main": "train/main.py",
+           "export.main": "export/main.py"}
+DRIVER_LAYER = len(LAYERS)
+MAX_LINES = 620  # "~600"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for package in LAYERS:
+        for path in sorted((ROOT / package).glob("*.py")):
+            name = f"{package}.{path.stem}" if path.stem != "__init__" else package
+            modules[name] = path
+    modules.update({name: ROOT / rel for name, rel in SCRIPTS.items()})
+    return modules
+
+
+def _layer(module: str) -> int:
+    if module in SCRIPTS:
+        return DRIVER_LAYER
+    return LAYERS[module.split(".")[0]]
+
+
+def _project_imports(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
+    """(imported project module, line, inside a function or class?) for every import in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from core import stage` imports the module core.stage; `from core.io import x` the module core.io
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name in known or name.split(".")[0] in LAYERS or name in ("pipeline",):
+                found.append((name, node.lineno, id(node) not in top_level))
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    modules = _modules()
+    edges = {}
+    for name, path in modules.items():
+        edges[name] = _project_imports(path, set(modules))
+    return modules, edges
+
+
+def test_every_package_module_is_in_a_layer(graph):
+    modules, _ = graph
+    assert {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"} == set(LAYERS)
+    assert "eval.spec_decode" in modules and "core.io" in modules
+
+
+def test_imports_run_one_way(graph):
+    _, edges = graph
+    upward = [f"{src} -> {dst} (line {line})" for src, targets in edges.items() for dst, line, _ in targets
+              if _layer(dst) > _layer(src)]
+    assert upward == [], "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_no_project_import_hidden_in_a_function(graph):
+    _, edges = graph
+    hidden = [f"{src} -> {dst} (line {line})" for src, targets in edges.items() for dst, line, nested in targets
+              if nested]
+    assert hidden == [], "function-level project imports:\n" + "\n".join(hidden)
+
+
+def test_nobody_imports_a_script(graph):
+    _, edges = graph
+    wrong = [f"{src} -> {dst}" for src, targets in edges.items() for dst, _, _ in targets
+             if dst in SCRIPTS and not (src == "train.main" and dst == "pipeline")]
+    assert wrong == []
+
+
+def test_no_import_loop(graph):
+    _, edges = graph
+    graph_edges = {src: sorted({dst for dst, _, _ in targets if dst in edges and dst != src})
+                   for src, targets in edges.items()}
+    state, loops = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in graph_edges[node]:
+            if state.get(nxt) == "open":
+                loops.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in graph_edges:
+        if node not in state:
+            visit(node, [node])
+    assert loops == [], "import loops:\n" + "\n".join(loops)
+
+
+def test_the_checker_sees_a_hidden_upward_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from core.io import read_json\n\ndef f():\n    from eval.run import run_eval\n")
+    found = _project_imports(bad, {"core.io", "eval.run"})
+    assert ("core.io", 1, False) in found and ("eval.run", 4, True) in found
+
+
+def test_long_files_say_why():
+    files = [p for p in ROOT.glob("*.py")] + [p for package in LAYERS for p in (ROOT / package).glob("*.py")]
+    files += list((ROOT / "benchmarks").glob("*.py"))
+    long = []
+    for path in files:
+        lines = path.read_text().count("\n")
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if lines > MAX_LINES and "600 lines" not in doc:
+            long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+    assert long == [], "files over ~600 lines without a reason at their top:\n" + "\n".join(long)
