@@ -444,3 +444,47 @@ def test_sampled_output_matches_target_distribution(one_hot, gamma, runs):
     bad_stat, bad_df = chi2_pooled(proposed, p1)
     assert bad_stat > 10 * chi2_critical(bad_df), (bad_stat, bad_df)
 
+
+# --- replay: the loop's T=0 rounds from one teacher-forced drafter pass over a cached greedy answer ---------------
+
+
+def bigram_pair():
+    """A target whose greedy next token is mostly pi(current token) (lm_head = permuted embeddings), and a DSpark whose
+    Markov head drafts pi(previous token): long accepted runs, ended by the target's few departures from pi."""
+    target = llama(V, H, 4, seed=0, logit_scale=1.0)
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        target.lm_head.weight.copy_(target.model.embed_tokens.weight[perm.argsort()] * 50)
+    draft = make_dspark(target, markov_rank=V)
+    with torch.no_grad():
+        draft.markov_head.markov_w1.weight.copy_(torch.eye(V))
+        draft.markov_head.markov_w2.weight.zero_()
+        draft.markov_head.markov_w2.weight[perm, torch.arange(V)] = 1000.0
+    return target, DSparkDrafter(draft)
+
+
+@pytest.mark.parametrize("name", ["dspark-bigram", "dspark", "dspark-rnn", "dflash", "eagle3"])
+def test_replay_gives_the_loops_rounds(name, target):
+    from eval.replay import answer_span, draft_matches, replay_rounds
+
+    if name == "dspark-bigram":
+        target, drafter = bigram_pair()
+    else:
+        drafter = make_drafter(name, target)
+    gamma = 3 if name == "eagle3" else GAMMA
+    for prompt in PROMPTS[1:]:
+        result = speculative_generate(target, drafter, prompt, gamma=gamma, max_new_tokens=40)
+        assert result.ids == target_generate(target, prompt, 40).ids
+        ids = torch.tensor([prompt + result.ids])
+        hidden, _ = capture_hidden_states(target, ids, torch.ones_like(ids), LAYER_IDS)
+        record = {"input_ids": ids[0], "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(result.ids)),
+                  "hidden_states": hidden[0]}
+        first, end = answer_span(record)
+        assert (first, end) == (len(prompt) - 1, ids.shape[1])
+        replayed = replay_rounds(draft_matches(drafter.model, record, gamma), first, end, gamma)
+        loop = [r.accepted for r in result.rounds]
+        if name == "dspark-bigram":
+            assert result.accept_len > 3  # the case that exercises long accepted runs
+        # the loop's last round may accept drafts past the budget, which the cached answer does not hold
+        assert [r.accepted for r in replayed][:-1] == loop[:-1] and replayed[-1].accepted <= loop[-1]
+        assert len(replayed) == len(loop)
