@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/eval", help="report folder (default runs/eval)")
     parser.add_argument("--no-scheduler", action="store_true", help="skip the SPS profile and scheduler simulation")
+    parser.add_argument("--hf-generate", action="store_true",
+                        help="also time plain HF generate (greedy, batch 1) on the same prompts and report the ratio")
     live = parser.add_argument_group("live serving check (--live)")
     live.add_argument("--live", action="store_true", help="serve the draft in --engine and compare with offline tau")
     live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")
@@ -76,7 +78,7 @@ def main(argv=None) -> int:
     report = run_eval(draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
                       num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
-                      dataset_path=args.dataset_path, scheduler=not args.no_scheduler)
+                      dataset_path=args.dataset_path, scheduler=not args.no_scheduler, hf_generate=args.hf_generate)
     print_summary(report)
     print(f"[eval] report: {Path(args.out) / 'report.md'}")
     return 0

@@ -261,7 +261,8 @@ class TargetCache(torch.utils.data.Dataset):
     ``hidden_states`` and ``last_hidden_state`` (and ``loss_mask``) are zero-copy views of a
     copy-on-write memory map: in-place edits never reach the file, but they do change what a later
     read of the same record in this process sees (and then fails its crc) -- clone before mutating.
-    ``input_ids`` comes back as int64 (a copy), ready for embedding lookups.
+    ``input_ids`` comes back as int64 (a copy), ready for embedding lookups. When ``expect`` names a subset of
+    the cache's layers, ``hidden_states`` is a copy of those layers' columns in ``expect``'s order.
     """
 
     def __init__(
@@ -304,6 +305,8 @@ class TargetCache(torch.utils.data.Dataset):
                 f"{manifest_path}: index_record_size {manifest['index_record_size']} != {INDEX_STRUCT.size}"
             )
         self.manifest: dict = manifest
+        #: indices of the recipe's layers among the cache's, when it reads a subset of them (see _check_expect)
+        self.layer_select: list[int] | None = None
         try:
             self.spec = CacheSpec(
                 target=manifest["target"],
@@ -373,6 +376,11 @@ class TargetCache(torch.utils.data.Dataset):
     def _check_expect(self, expect: CacheSpec) -> None:
         have = self.spec
         diffs = []
+        if tuple(expect.layer_ids) != tuple(have.layer_ids) and set(expect.layer_ids) <= set(have.layer_ids):
+            # A recipe reading fewer layers than the cache holds (Eagle3's 3 of a block drafter's 5) takes its
+            # columns, in its own order: one cache serves every family.
+            self.layer_select = [list(have.layer_ids).index(i) for i in expect.layer_ids]
+            have = CacheSpec(**{**have.__dict__, "layer_ids": tuple(expect.layer_ids)})
         for field in ("target", "layer_ids", "hidden_size", "tokenizer_fingerprint", "dtype"):
             a, b = getattr(have, field), getattr(expect, field)
             if a != b:
@@ -460,6 +468,8 @@ class TargetCache(torch.utils.data.Dataset):
         last = torch.from_numpy(view("off_last_hidden_state", self._storage, T * H).reshape(T, H))
         if self._torch_dtype == torch.bfloat16:
             hs, last = hs.view(torch.bfloat16), last.view(torch.bfloat16)
+        if self.layer_select is not None:  # a copy of the recipe's layers, in its order
+            hs = hs.view(T, spec.num_layers, H)[:, self.layer_select].reshape(T, len(self.layer_select) * H)
         return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_states": hs, "last_hidden_state": last}
 
     def verify(self) -> None:

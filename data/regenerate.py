@@ -195,6 +195,11 @@ def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) ->
     return records, errors, num_tokens
 
 
+def _first_turn_length(prompt: Prompt, recipe, tokenizer) -> int:
+    messages = build_messages([prompt.turns[0]], [], _system(prompt, recipe))
+    return len(render_prompt_ids(tokenizer, messages, enable_thinking=recipe.regen.enable_thinking))
+
+
 def _system(prompt: Prompt, recipe) -> str | None:
     # A source's own system message belongs to the prompt; otherwise the recipe's (None = the template default).
     return prompt.system if prompt.system is not None else recipe.data.system_prompt
@@ -209,6 +214,9 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
         return done
 
     prompts = load_prompts(recipe.data.sources, recipe.data.num_prompts, recipe.data.holdout_fraction, recipe.seed)
+    # A batch is left-padded to its longest prompt, and on a CPU the prefill of the padded prompts costs more than the
+    # answers: batch prompts of similar length (first turn, as rendered) so that little is spent on padding.
+    prompts = sorted(prompts, key=lambda p: (_first_turn_length(p, recipe, tokenizer), p.id))
     size = recipe.regen.batch_size
     chunks = [prompts[i: i + size] for i in range(0, len(prompts), size)]
     todo = [k for k in dist.mine(range(len(chunks))) if not chunk_path(out_dir, k).is_file()]

@@ -30,8 +30,8 @@ from data.chat import build_messages, render_prompt_ids
 from data.prompts import eval_prompts
 from eval.calibration import calibrate_sts, calibration_report, logits_from_probs, prefix_labels
 from eval.scheduler import format_table, profile_sps, simulate
-from eval.spec_decode import (DraftLMDrafter, NgramDrafter, is_greedy, load_draft, speculative_generate,
-                              sync_clock, target_generate)
+from eval.spec_decode import (DraftLMDrafter, GenerationResult, NgramDrafter, is_greedy, load_draft,
+                              speculative_generate, sync_clock, target_generate)
 from export.serving import save_sts
 from modeling.registry import draft_digest
 from modeling.target import load_target, load_tokenizer
@@ -75,8 +75,13 @@ def make_drafter(draft: str, target, gamma: int):
 def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int, temperature: float,
              block_size: int | None, max_new_tokens: int, seed: int = 0, system_prompt: str | None = None,
              enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
-             scheduler: bool = True, target=None) -> dict:
-    """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does)."""
+             scheduler: bool = True, target=None, hf_generate: bool = False, baselines: dict | None = None) -> dict:
+    """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does).
+
+    hf_generate: also time plain HF `generate` (greedy, batch size 1) on every prompt, the speed users compare with:
+    `hf_generate_tokens_per_s`, `speedup_vs_generate` and `hf_generate_match` (its output equals ours).
+    baselines: a dict shared by several calls in one process (one per drafter, same target and prompts): each prompt's
+    baseline decodes are run once, by the first call, and reused."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
@@ -87,11 +92,19 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
     greedy = is_greedy(temperature)
 
+    hf_generate = hf_generate and greedy
+    baselines = {} if baselines is None else baselines
     samples, rounds = [], []
-    spec_time = target_time = spec_tokens = target_tokens = 0.0
+    spec_time = target_time = spec_tokens = target_tokens = hf_time = hf_tokens = 0.0
     for i, prompt in enumerate(tqdm(prompts, desc=f"eval {dataset}", unit="prompt")):
         ids = first_turn_ids(tokenizer, prompt, system_prompt, enable_thinking)
-        reference = target_generate(target, ids, max_new_tokens, temperature, tokenizer.eos_token_id, seed=seed + i)
+        key = (prompt.id, max_new_tokens, temperature, seed + i)
+        if key not in baselines or (hf_generate and baselines[key][1] is None):
+            reference = target_generate(target, ids, max_new_tokens, temperature, tokenizer.eos_token_id,
+                                        seed=seed + i)
+            baselines[key] = (reference, hf_generate_result(target, tokenizer, ids, max_new_tokens)
+                              if hf_generate else None)
+        reference, plain = baselines[key]
         result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
                                       temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed + i)
         target_time += reference.wall_s
@@ -101,6 +114,10 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
         rounds += result.rounds
         samples.append({"id": prompt.id, "accept_len": result.accept_len, "tokens": len(result.ids),
                         "exact": result.ids == reference.ids})
+        if plain is not None:
+            hf_time += plain.wall_s
+            hf_tokens += len(plain.ids)
+            samples[-1]["hf_generate_exact"] = plain.ids == reference.ids
 
     report = {
         "draft": draft, "target": target_name, "dataset": dataset, "temperature": temperature,
@@ -113,6 +130,11 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     }
     report["speedup"] = (report["spec_tokens_per_s"] / report["target_tokens_per_s"]
                          if report["target_tokens_per_s"] else 0.0)
+    if hf_generate:
+        report["hf_generate_tokens_per_s"] = hf_tokens / hf_time if hf_time else 0.0
+        report["speedup_vs_generate"] = (report["spec_tokens_per_s"] / report["hf_generate_tokens_per_s"]
+                                         if report["hf_generate_tokens_per_s"] else 0.0)
+        report["hf_generate_match"] = sum(s["hf_generate_exact"] for s in samples) / max(len(samples), 1)
     if rounds and rounds[0].confidences is not None:
         report["calibration"] = _calibrate(rounds, gamma, out_dir, dataset)
         if scheduler:
@@ -121,6 +143,21 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     atomic_write_text(out_dir / "report.md", report_markdown(report))
     plot_acceptance(report, out_dir / "accept_rate.png")
     return report
+
+
+@torch.inference_mode()
+def hf_generate_result(target, tokenizer, prompt_ids: list[int], max_new_tokens: int) -> GenerationResult:
+    """Plain HF `generate`, greedy, batch size 1: the output and wall time users compare speculative decoding with."""
+    device = next(target.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    start = sync_clock(device)
+    out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                          do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                          else tokenizer.eos_token_id)
+    result = GenerationResult(out[0, len(prompt_ids):].tolist())
+    result.wall_s = sync_clock(device) - start
+    return result
 
 
 def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
@@ -194,6 +231,10 @@ def report_markdown(report: dict) -> str:
              "|---|" + "---|" * k,
              "| accept rate (prefix) | " + " | ".join(f"{v:.3f}" for v in report["accept_rate_at_k"]) + " |",
              "| accept rate (conditional) | " + " | ".join(f"{v:.3f}" for v in report["cond_accept_rate_at_k"]) + " |"]
+    if "hf_generate_tokens_per_s" in report:
+        lines += ["", f"Plain HF `generate` (greedy, batch 1) on the same prompts: {report['hf_generate_tokens_per_s']:.1f} "
+                      f"tok/s; speculative decoding is {report['speedup_vs_generate']:.2f}x of it; its output equals the "
+                      f"target loop's on {report['hf_generate_match']:.0%} of prompts."]
     if "calibration" in report:
         cal = report["calibration"]
         lines += ["", "## Calibration (cumulative confidence vs prefix acceptance)", "",
@@ -236,5 +277,7 @@ def plot_acceptance(report: dict, path: Path) -> None:
 def print_summary(report: dict) -> None:
     print(f"[eval] {report['dataset']}: tau {report['accept_len']:.3f}, exact_match {report['exact_match']}, "
           f"speedup {report['speedup']:.2f}x ({report['spec_tokens_per_s']:.1f} vs "
-          f"{report['target_tokens_per_s']:.1f} tok/s), accept@k "
+          f"{report['target_tokens_per_s']:.1f} tok/s"
+          + (f"; {report['speedup_vs_generate']:.2f}x of HF generate's {report['hf_generate_tokens_per_s']:.1f}"
+             if "hf_generate_tokens_per_s" in report else "") + "), accept@k "
           + ", ".join(f"{v:.2f}" for v in report["accept_rate_at_k"]), flush=True)

@@ -304,6 +304,18 @@ def test_mismatch_refused_naming_field(tmp_path, field, value):
     TargetCache(str(tmp_path), expect=SPEC)  # the matching spec is accepted
 
 
+def test_a_recipe_reading_a_subset_of_the_layers_gets_their_columns(tmp_path):
+    write_cache(tmp_path)
+    subset = TargetCache(str(tmp_path), expect=CacheSpec(**{**SPEC.__dict__, "layer_ids": (5, 1)}))
+    full = TargetCache(str(tmp_path), expect=SPEC)
+    H = SPEC.hidden_size
+    for i in (0, 4, NUM_RECORDS - 1):
+        whole, part = full[i]["hidden_states"], subset[i]["hidden_states"]
+        assert part.shape == (whole.shape[0], 2 * H)
+        assert torch.equal(part[:, :H], whole[:, 2 * H:]) and torch.equal(part[:, H:], whole[:, :H])  # layers 5, 1
+        assert torch.equal(subset[i]["last_hidden_state"], full[i]["last_hidden_state"])
+
+
 def test_flipped_byte_detected(tmp_path):
     write_cache(tmp_path)
     ds = TargetCache(str(tmp_path))

@@ -78,3 +78,22 @@ def test_draft_lm_baseline_with_the_target_as_draft_accepts_everything(tiny_qwen
                       scheduler=False)
     assert report["exact_match"] == 1.0
     assert report["accept_rate_at_k"][0] == 1.0 and report["accept_len"] > 3.0  # only a budget-cut last round < 4
+
+
+def test_hf_generate_baseline_and_shared_baselines(tiny_qwen3, prompt_file, tmp_path):
+    """--hf-generate times plain HF generate on the same prompts; its greedy output is the target loop's. A shared
+    baselines dict decodes each prompt's baselines once for several drafters."""
+    baselines = {}
+    first = run_eval(draft="ngram", target_name=str(tiny_qwen3), dataset=str(prompt_file), out_dir=tmp_path / "a",
+                     num_samples=2, temperature=0.0, block_size=3, max_new_tokens=8, scheduler=False,
+                     hf_generate=True, baselines=baselines)
+    assert first["hf_generate_match"] == 1.0 and first["hf_generate_tokens_per_s"] > 0
+    assert first["speedup_vs_generate"] == pytest.approx(first["spec_tokens_per_s"] / first["hf_generate_tokens_per_s"])
+    assert len(baselines) == 2 and "HF `generate`" in (tmp_path / "a" / "report.md").read_text()
+    kept = dict(baselines)
+    second = run_eval(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                      out_dir=tmp_path / "b", num_samples=2, temperature=0.0, block_size=3, max_new_tokens=8,
+                      scheduler=False, hf_generate=True, baselines=baselines)
+    assert baselines == kept  # reused, not decoded again
+    assert second["target_tokens_per_s"] == first["target_tokens_per_s"]
+    assert second["hf_generate_tokens_per_s"] == first["hf_generate_tokens_per_s"]
