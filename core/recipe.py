@@ -108,6 +108,16 @@ class DraftConfig:
     enable_confidence_head: bool = True
     #: None = pick the family's documented default for the target vocabulary.
     mask_token_id: Optional[int] = None
+    #: starts (the defaults keep N(0, 0.02) everywhere and unit norms; see init_from_target in modeling/):
+    #: random | target = the draft's decoder layers start as copies of the target's last ones.
+    init_layers: Literal["random", "target"] = "random"
+    #: random | last = the identity on the last captured layer | normalized = N(0, 0.02) with column j divided by
+    #: input dimension j's RMS over the cache (the outlier dimensions do not drown the rest at the start).
+    init_fc: Literal["random", "last", "normalized"] = "random"
+    #: output norm weight at start: ones | target (the target's final-norm weight).
+    init_norm: Literal["ones", "target"] = "ones"
+    #: Markov head: normal = N(0, 0.02) both factors | zero_w2 = first factor N(0, 1), second factor zero.
+    markov_init: Literal["normal", "zero_w2"] = "normal"
     #: Eagle3 only.
     ttt_length: int = 7
     draft_vocab_size: Optional[int] = None
@@ -120,8 +130,19 @@ class LossConfig:
     conf_alpha: float = 1.0
     #: w_k = exp(-(k-1)/gamma) per block position.
     loss_decay_gamma: float = 4.0
+    #: block drafters: cross-entropy against the target's whole distribution at each prediction (dense soft labels).
+    soft_ce_alpha: float = 0.0
+    #: block drafters: the first N optimizer steps train CE only (the L1 term has almost no gradient while the draft
+    #: puts ~1/V on the target's token), then the alphas above.
+    ce_warmup_steps: int = 0
+    #: compute the acceptance statistics (training tau, accept_rate) even when no loss term needs the target
+    #: distribution (DFlash); false saves a vocabulary-sized matmul per prediction.
+    accept_stats: bool = True
     #: Eagle3 per-TTT-step decay.
     step_loss_decay: float = 0.8
+    #: recompute each chunk of vocabulary-sized tensors in the backward instead of keeping it (GPU memory); false is
+    #: faster where memory is plenty (small drafters on a CPU).
+    checkpoint: bool = True
 
 
 @dataclass
@@ -136,8 +157,13 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
+    #: DDP engine (zero_stage 0): torch's fused AdamW (about 4x faster optimizer step on a CPU).
+    fused_optimizer: bool = False
     #: 0 = plain DDP; 1 or 2 = DeepSpeed ZeRO stage (3 is refused: see _check_values).
     zero_stage: int = 0
+    #: auto = bf16 on GPU, fp32 on CPU; bf16 on a CPU autocasts over fp32 weights (fast where the CPU has bf16
+    #: matrix units, e.g. AMX), fp32 everywhere is the bit-exact reference.
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     save_every: int = 1000
     #: checkpoints kept on disk (newest first); older ones are deleted once a newer one is complete. 0 keeps all.
     keep_checkpoints: int = 2

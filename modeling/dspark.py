@@ -54,6 +54,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from modeling.target import decoder_layers
+
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 INIT_STD = 0.02
 
@@ -379,6 +381,52 @@ class DSparkModel(nn.Module):
         model.embed_tokens.weight.requires_grad_(False)
         model.lm_head.weight.requires_grad_(False)
         return model
+
+    @torch.no_grad()
+    def init_from_target(self, target_model, *, layers: str = "random", fc: str = "random", norm: str = "ones",
+                         markov: str = "normal") -> None:
+        """Starts other than N(0, 0.02) (the defaults change nothing); the draft's tensor names and shapes stay.
+
+        layers="target": draft layer i starts as a copy of target decoder layer L - num_layers + i (q/k/v/o, MLP and
+            both RMSNorm weights; Qwen3 q_norm/k_norm, which a Llama target lacks, stay ones), and hidden_norm takes
+            the first copied layer's input_layernorm weight (the context enters its k/v as that layer's input did).
+        fc="last": fc is the identity on the last captured target layer and zero on the others.
+        norm="target": the output norm starts as the target's final norm (what the frozen lm_head is used to).
+        markov="zero_w2": markov_w1 ~ N(0, 1) and markov_w2 = 0: the bias starts at 0 with a full-size gradient (both
+            factors at N(0, 0.02) give a bias of ~0.003 logits that Adam cannot grow within a short schedule).
+        """
+        hidden = self.config.hidden_size
+        if layers == "target":
+            source = decoder_layers(target_model)
+            first = len(source) - len(self.layers)
+            for i, layer in enumerate(self.layers):
+                src = source[first + i]
+                for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                    getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+                layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+                layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+                layer.self_attn.q_norm.weight.fill_(1.0)
+                layer.self_attn.k_norm.weight.fill_(1.0)
+            self.hidden_norm.weight.copy_(source[first].input_layernorm.weight)
+        elif layers != "random":
+            raise ValueError(f"init layers must be 'random' or 'target', got {layers!r}")
+        if fc == "last":
+            self.fc.weight.zero_()
+            self.fc.weight[:, -hidden:].copy_(torch.eye(hidden))
+        elif fc != "random":
+            raise ValueError(f"init fc must be 'random' or 'last', got {fc!r}")
+        if norm == "target":
+            self.norm.weight.copy_(getattr(target_model, "model", target_model).norm.weight)
+        elif norm != "ones":
+            raise ValueError(f"init norm must be 'ones' or 'target', got {norm!r}")
+        if markov == "zero_w2":
+            if self.markov_head is not None:
+                self.markov_head.markov_w1.weight.normal_(0.0, 1.0)
+                self.markov_head.markov_w2.weight.zero_()
+        elif markov != "normal":
+            raise ValueError(f"markov init must be 'normal' or 'zero_w2', got {markov!r}")
 
     def context_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
         """H_ctx = hidden_norm(fc([h_l1; ...; h_lK])): [..., K*H] -> [..., H]."""

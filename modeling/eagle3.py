@@ -47,6 +47,8 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
+from modeling.target import decoder_layers
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Config
 
@@ -319,6 +321,51 @@ class Eagle3Model(nn.Module):
             model.embed_tokens.weight.copy_(embed)
             model.lm_head.weight.copy_(head[t2d.to(head.device)])
         return model
+
+    @torch.no_grad()
+    def init_from_target(self, target_model, *, layers: str = "random", fc: str = "random",
+                         norm: str = "ones") -> None:
+        """Starts other than PyTorch's default Linear init (the defaults change nothing).
+
+        layers="target": the midlayer starts as the target's last decoder layer on its hidden half: the q/k/v columns
+            that read the hidden state get the target's q/k/v weights, the columns that read the embedding are zero;
+            o_proj, MLP and post_attention_layernorm are copied, hidden_norm takes the target layer's input_layernorm
+            weight. Extra layers (num_layers > 1) copy the target layers before it.
+        fc="last": fc is the identity on the last auxiliary target layer and zero on the others.
+        norm="target": the output norm starts as the target's final norm weight.
+        """
+        hidden = self.config.hidden_size
+        if layers == "target":
+            source = decoder_layers(target_model)
+            mine = [self.midlayer, *self.layers.values()]
+            for i, layer in enumerate(mine):
+                src = source[len(source) - len(mine) + i]
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    weight = getattr(layer.self_attn, name).weight
+                    if i == 0:  # [embeds; hidden] input: the hidden half reads like the target layer
+                        weight.zero_()
+                        weight[:, hidden:].copy_(getattr(src.self_attn, name).weight)
+                    else:
+                        weight.copy_(getattr(src.self_attn, name).weight)
+                layer.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+                layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+                if i == 0:
+                    layer.hidden_norm.weight.copy_(src.input_layernorm.weight)
+                else:
+                    layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+        elif layers != "random":
+            raise ValueError(f"init layers must be 'random' or 'target', got {layers!r}")
+        if fc == "last":
+            self.fc.weight.zero_()
+            self.fc.weight[:, -hidden:].copy_(torch.eye(hidden))
+        elif fc != "random":
+            raise ValueError(f"init fc must be 'random' or 'last', got {fc!r}")
+        if norm == "target":
+            self.norm.weight.copy_(getattr(target_model, "model", target_model).norm.weight)
+        elif norm != "ones":
+            raise ValueError(f"init norm must be 'ones' or 'target', got {norm!r}")
 
     def step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [..., Vd] from a (normed) hidden state returned by forward_train."""

@@ -380,3 +380,32 @@ def test_markov_heads(head):
     for name in ["markov_w1", "markov_w2", *extra]:
         assert getattr(model.markov_head, name).weight.grad.abs().sum() > 0, name
     assert h.grad.abs().sum() > 0
+
+
+def test_init_from_target_and_normalized_fc():
+    """draft.init_layers=target copies the target's last layers; init_fc=normalized divides fc's columns by the RMS of
+    each captured dimension, so an outlier dimension (as real residual streams have) does not drown the others."""
+    from types import SimpleNamespace
+
+    from train.algorithms import _init_draft, input_scale
+
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(target_config()).eval()
+    ids, hidden, attn = make_batch()
+    hidden[..., 3] *= 300.0
+    records = [{"hidden_states": h} for h in hidden]
+    scale = input_scale(records)
+    assert scale[3] > 100 * scale[4]
+    draft = make_model(markov_rank=4)
+    plain_fc = draft.fc.weight.clone()
+    recipe = SimpleNamespace(draft=SimpleNamespace(init_layers="target", init_fc="normalized", init_norm="target",
+                                                   markov_init="zero_w2"))
+    _init_draft(draft, recipe, target, records)
+    last = target.model.layers[-1]
+    assert torch.equal(draft.layers[-1].mlp.up_proj.weight, last.mlp.up_proj.weight)
+    assert torch.equal(draft.layers[-1].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    assert torch.equal(draft.norm.weight, target.model.norm.weight)
+    assert torch.equal(draft.markov_head.markov_w2.weight, torch.zeros_like(draft.markov_head.markov_w2.weight))
+    torch.testing.assert_close(draft.fc.weight, plain_fc / scale[None, :])
+    features = draft.fc(hidden)
+    assert features.std(dim=(0, 1)).max() < 10 * features.std(dim=(0, 1)).median()  # no outlier column dominates

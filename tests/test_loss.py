@@ -245,6 +245,23 @@ def test_dflash_weights_give_exactly_ce_and_skip_target_work():
     torch.testing.assert_close(out2.tau_sum, full.tau_sum)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_soft_ce_is_cross_entropy_against_the_target_distribution(chunk_size):
+    """loss.soft_ce_alpha: sum w_k * -sum_v p_target(v) log p_draft(v), added to the other terms, with its gradient."""
+    model, b = TinyBlockDrafter(), make_batch()
+    t = hand_terms(model, b, 4.0)
+    p_t = torch.softmax(model.lm_head(b["target_hidden"]), dim=-1)
+    logp_d = torch.log_softmax(model.draft_logits(b["draft_hidden"], b["prev_ids"]), dim=-1)
+    soft = (t["w"] * torch.where(b["valid"], -(p_t * logp_d).sum(-1), 0.0)).sum()
+    out = block_loss(model, **b, ce_alpha=0.5, l1_alpha=0.0, conf_alpha=0.0, soft_ce_alpha=2.0, gamma_decay=4.0,
+                     chunk_size=chunk_size)
+    ce = (t["w"] * torch.where(b["valid"], t["ce"], 0.0)).sum()
+    torch.testing.assert_close(out.loss_sum, (0.5 * ce + 2.0 * soft).float())
+    for mine, want in zip(grads(out.loss_sum, model, b["draft_hidden"]),
+                          grads(0.5 * ce + 2.0 * soft, model, b["draft_hidden"])):
+        torch.testing.assert_close(mine, want)
+
+
 @pytest.mark.parametrize("alphas", [(0.0, 0.9, 1.0), (0.1, 0.0, 1.0), (0.1, 0.9, 0.0), (0.0, 0.0, 2.0),
                                     (0.0, 0.5, 0.0)])
 def test_zero_alpha_terms_contribute_nothing(alphas):

@@ -65,11 +65,38 @@ def attach_hidden(batch: dict, records: list[dict], device, dtype) -> dict:
     return {**batch, "hidden_states": hidden.to(device), "last_hidden_state": last.to(device)}
 
 
+def input_scale(cache, max_records: int = 256) -> torch.Tensor:
+    """[K*H] RMS of every dimension of the captured target states over (up to) the first `max_records` cached
+    conversations, position 0 left out (its attention-sink activations are outliers of their own).
+
+    A few dimensions of a transformer's residual stream hold most of its energy (SmolLM2: 4 of 576 dimensions hold
+    half of it in every captured layer, up to 440x the median), and deeper layers are larger overall; fed raw to the
+    drafter's fc they drown everything else, and the context features barely change from token to token.
+    draft.init_fc=normalized divides fc's columns by it at the start."""
+    total, count = None, 0
+    for i in range(min(len(cache), max_records)):
+        states = cache[i]["hidden_states"][1:].double()
+        total = states.pow(2).sum(0) if total is None else total + states.pow(2).sum(0)
+        count += states.shape[0]
+    return (total / max(count, 1)).sqrt().clamp(min=1e-3).float()
+
+
 class _TrainModule(torch.nn.Module):
     """A drafter (`self.draft`) plus what its loss needs; checkpoints export the drafter alone."""
 
     def save_draft(self, path: Path) -> None:
         save_draft(self.draft, path)
+
+
+def _init_draft(draft, recipe, target, cache) -> None:
+    """The recipe's starts (draft.init_*): from the target's layers and norm, and fc's columns scaled to the data."""
+    d = recipe.draft
+    kwargs = {"markov": d.markov_init} if isinstance(draft, DSparkModel) else {}
+    draft.init_from_target(target, layers=d.init_layers, fc="last" if d.init_fc == "last" else "random",
+                           norm=d.init_norm, **kwargs)
+    if d.init_fc == "normalized":
+        with torch.no_grad():
+            draft.fc.weight.div_(input_scale(cache)[None, :].to(draft.fc.weight))
 
 
 # --- DSpark / DFlash ----------------------------------------------------------------------------------------------
@@ -80,17 +107,25 @@ class BlockTrainModule(_TrainModule):
         super().__init__()
         self.draft, self.recipe = draft, recipe
 
+    #: the optimizer step being computed; the trainer sets it before each forward (loss.ce_warmup_steps reads it).
+    step: int = 0
+
     def forward(self, batch: dict):
         loss = self.recipe.loss
+        ce_alpha, l1_alpha, conf_alpha = loss.ce_alpha, loss.l1_alpha, loss.conf_alpha
+        if self.step < loss.ce_warmup_steps:
+            ce_alpha, l1_alpha, conf_alpha = 1.0, 0.0, 0.0
         draft_hidden = self.draft(batch["input_ids"], batch["hidden_states"], batch["anchor_positions"],
                                   attention_mask=batch["attention_mask"])
         keep = batch["anchor_positions"] >= 0  # [B, A]
         rows = torch.arange(batch["input_ids"].shape[0], device=keep.device)[:, None, None]
         target_hidden = batch["last_hidden_state"][rows, batch["target_pos"].clamp(min=0)]  # [B, A, gamma, H]
         return block_loss(self.draft, draft_hidden[keep], target_hidden[keep], batch["labels"][keep],
-                          batch["prev_ids"][keep], batch["valid"][keep], ce_alpha=loss.ce_alpha,
-                          l1_alpha=loss.l1_alpha, conf_alpha=loss.conf_alpha, gamma_decay=loss.loss_decay_gamma,
-                          accept_stats=True)  # DFlash too: the training tau estimate needs the target distribution
+                          batch["prev_ids"][keep], batch["valid"][keep], ce_alpha=ce_alpha, l1_alpha=l1_alpha,
+                          conf_alpha=conf_alpha, gamma_decay=loss.loss_decay_gamma,
+                          # DFlash too by default: the training tau estimate needs the target distribution
+                          accept_stats=loss.accept_stats, use_checkpoint=loss.checkpoint,
+                          soft_ce_alpha=loss.soft_ce_alpha)
 
 
 class BlockAlgorithm:
@@ -103,7 +138,9 @@ class BlockAlgorithm:
             target_layer_ids=list(recipe.target.layer_ids), mask_token_id=mask_id, markov_rank=d.markov_rank,
             markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
             sample_from_anchor=d.sample_from_anchor)
-        return BlockTrainModule(DSparkModel.from_target(config, target).float(), recipe)
+        draft = DSparkModel.from_target(config, target)
+        _init_draft(draft, recipe, target, cache)
+        return BlockTrainModule(draft.float(), recipe)
 
     @staticmethod
     def make_batch(recipe, records: list[dict], seeds: list[tuple], device) -> dict:
@@ -157,7 +194,8 @@ class Eagle3TrainModule(_TrainModule):
         step_hidden = self.draft.forward_train(batch["input_ids"], batch["hidden_states"], batch["attention_mask"],
                                                steps)
         return eagle3_loss(self.draft.step_logits, step_hidden, batch["last_hidden_state"], self.target_lm_head,
-                           self.draft.t2d, batch["step_valid"], self.recipe.loss.step_loss_decay)
+                           self.draft.t2d, batch["step_valid"], self.recipe.loss.step_loss_decay,
+                           use_checkpoint=self.recipe.loss.checkpoint)
 
 
 class Eagle3Algorithm:
@@ -170,7 +208,9 @@ class Eagle3Algorithm:
         d2t, t2d = build_vocab_mapping(counts, draft_vocab)
         config = build_eagle3_config(target.config, num_layers=d.num_layers, draft_vocab_size=draft_vocab,
                                      aux_layer_ids=list(recipe.target.layer_ids), ttt_length=d.ttt_length)
-        draft = Eagle3Model.from_target(config, target, d2t, t2d).float()
+        draft = Eagle3Model.from_target(config, target, d2t, t2d)
+        _init_draft(draft, recipe, target, cache)
+        draft = draft.float()
         head = torch.nn.Linear(target.config.hidden_size, vocab, bias=False)
         head.weight.data.copy_(target.get_output_embeddings().weight.detach().float())
         return Eagle3TrainModule(draft, head, recipe)

@@ -117,14 +117,15 @@ class BlockLossOut:
     top1_correct: torch.Tensor
 
 
-def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, conf_alpha, want_cstar):
+def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, conf_alpha, want_cstar,
+                 soft_ce_alpha=0.0):
     """One chunk of anchors: returns (loss, ce, l1, conf, accept[gamma], tau, top1[gamma]); only loss has grad.
 
     Memory-sensitive: vocabulary-sized intermediates are dropped as soon as they are used. The statistics come last,
     under no_grad, so the checkpoint's early stop skips them when the backward recomputes this chunk.
     """
     # With neither CE nor L1 trained, p_draft only feeds the detached c*: no graph through the draft logits.
-    with torch.set_grad_enabled(torch.is_grad_enabled() and bool(ce_alpha or l1_alpha)):
+    with torch.set_grad_enabled(torch.is_grad_enabled() and bool(ce_alpha or l1_alpha or soft_ce_alpha)):
         logits = _wide(model.draft_logits(h, prev_ids))  # [c, gamma, V]
         logp = torch.log_softmax(logits, dim=-1)
         del logits
@@ -133,9 +134,15 @@ def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, c
     terms = [ce_alpha * ce] if ce_alpha else []
 
     l1 = cstar = bce = None
-    if want_cstar:
+    if want_cstar or soft_ce_alpha:
         with torch.no_grad():
             p_t = torch.softmax(_wide(model.lm_head(th)), dim=-1)
+    if soft_ce_alpha:
+        # cross-entropy against the target's whole distribution (Eagle3's TTT loss): dense soft labels
+        soft = -(p_t * logp).sum(-1)
+        terms.append(soft_ce_alpha * (w * torch.where(valid, soft, 0.0)).sum())
+        del soft
+    if want_cstar:
         if l1_alpha:
             dist = (logp.exp() - p_t).abs().sum(-1)  # [c, gamma], differentiable in p_draft
         else:
@@ -187,6 +194,7 @@ def block_loss(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     accept_stats: bool | None = None,
     use_checkpoint: bool = True,
+    soft_ce_alpha: float = 0.0,
 ) -> BlockLossOut:
     """DSpark/DFlash loss sums over N anchors of gamma predictions each.
 
@@ -249,7 +257,7 @@ def block_loss(
     for s in range(0, m, chunk_size):
         e = min(m, s + chunk_size)
         args = (model, draft_hidden[s:e], target_hidden[s:e], labels[s:e], prev_ids[s:e], valid[s:e], w_all[s:e],
-                ce_alpha, l1_alpha, conf_alpha, want_cstar)
+                ce_alpha, l1_alpha, conf_alpha, want_cstar, soft_ce_alpha)
         if ckpt:
             out = checkpoint(_block_chunk, *args, use_reentrant=False)
         else:

@@ -113,6 +113,18 @@ def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
 # --- engine: plain DDP or DeepSpeed ZeRO ------------------------------------------------------------------------
 
 
+def precision(recipe, dist: Dist) -> str:
+    """train.precision, with auto = bf16 on GPU, fp32 on CPU."""
+    if recipe.train.precision != "auto":
+        return recipe.train.precision
+    return "bf16" if dist.device.type == "cuda" else "fp32"
+
+
+def bf16_weights(recipe, dist: Dist) -> bool:
+    """DeepSpeed on GPU in bf16 keeps bf16 weights; every other bf16 run autocasts over fp32 weights."""
+    return precision(recipe, dist) == "bf16" and dist.device.type == "cuda" and recipe.train.zero_stage > 0
+
+
 class Engine:
     """One interface over DDP and DeepSpeed: forward module, backward, optimizer step."""
 
@@ -130,7 +142,7 @@ class Engine:
                 "train_batch_size": train.micro_batch_size * grad_accum * dist.world_size,
                 "gradient_clipping": train.max_grad_norm,
                 "zero_optimization": {"stage": train.zero_stage},
-                "bf16": {"enabled": dist.device.type == "cuda"},
+                "bf16": {"enabled": bf16_weights(recipe, dist)},
                 # torch_adam: DeepSpeed's fused CPU Adam would JIT-compile a C++ op first.
                 "optimizer": {"type": "AdamW", "params": {"lr": train.lr, "weight_decay": train.weight_decay,
                                                           "betas": [train.adam_beta1, train.adam_beta2], "eps": train.adam_eps,
@@ -153,7 +165,8 @@ class Engine:
                                                                      config=config)
         else:
             self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay,
-                                               betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+                                               betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+                                               **({"fused": True} if train.fused_optimizer else {}))
             self.module = module
             if dist.world_size > 1:
                 self.module = torch.nn.parallel.DistributedDataParallel(
@@ -284,10 +297,12 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
                f"engine {engine.kind}{'' if engine.kind == 'ddp' else f' ZeRO-{train.zero_stage}'}")
 
     logger = Logger(out_dir, recipe, dist, start_step)
-    # DeepSpeed's bf16 mode keeps bf16 weights (fp32 masters inside): feed it bf16; DDP on GPU autocasts instead.
-    input_dtype = torch.bfloat16 if dist.device.type == "cuda" and engine.kind == "deepspeed" else torch.float32
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dist.device.type == "cuda" and engine.kind == "ddp"
-                else nullcontext())
+    # DeepSpeed's bf16 mode keeps bf16 weights (fp32 masters inside): feed it bf16. Everywhere else bf16 is autocast
+    # over fp32 weights (DDP on GPU; CPUs with bf16 matrix units, where it is several times faster than fp32).
+    weights_bf16 = bf16_weights(recipe, dist)
+    input_dtype = torch.bfloat16 if weights_bf16 else torch.float32
+    autocast = (torch.autocast(dist.device.type, dtype=torch.bfloat16)
+                if precision(recipe, dist) == "bf16" and not weights_bf16 else nullcontext())
     bar = tqdm(total=train.max_steps, initial=start_step, desc="train", unit="step", disable=not dist.is_main)
     last = {}
     for step in range(start_step, train.max_steps):
@@ -308,6 +323,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         totals: dict = {}
         grad_norm = None
         lr = lr_at(step, recipe)
+        module.step = step  # step-dependent losses (loss.ce_warmup_steps)
         for i, (recs, batch) in enumerate(zip(records, micro)):
             last_micro = i == len(micro) - 1
             batch = attach_hidden(batch, recs, dist.device, input_dtype)
@@ -332,7 +348,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         metrics = algo.summarize(totals, dist, weight_total)
         tokens, = dist.sum(sum(int(b["attention_mask"].sum()) for b in micro))
         elapsed = dist.max(time.perf_counter() - t0)
-        metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed)
+        metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed, step_s=elapsed)
         first = first or metrics
         last = metrics
         logger.log(step + 1, metrics, to_dashboards=(step + 1) % train.log_every == 0 or step == 0)
