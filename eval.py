@@ -60,6 +60,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-scheduler", action="store_true", help="skip the SPS profile and scheduler simulation")
     parser.add_argument("--hf-generate", action="store_true",
                         help="also time plain HF generate (greedy, batch 1) on the same prompts and report the ratio")
+    parser.add_argument("--ngram-baseline", action="store_true",
+                        help="also decode the same prompts with the n-gram drafter and report tau as a ratio of its")
     live = parser.add_argument_group("live serving check (--live)")
     live.add_argument("--live", action="store_true", help="serve the draft in --engine and compare with offline tau")
     live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")
@@ -78,7 +80,8 @@ def main(argv=None) -> int:
     report = run_eval(draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
                       num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,
                       max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
-                      dataset_path=args.dataset_path, scheduler=not args.no_scheduler, hf_generate=args.hf_generate)
+                      dataset_path=args.dataset_path, scheduler=not args.no_scheduler, hf_generate=args.hf_generate,
+                      ngram_baseline=args.ngram_baseline)
     print_summary(report)
     print(f"[eval] report: {Path(args.out) / 'report.md'}")
     return 0

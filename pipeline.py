@@ -123,5 +123,8 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             dist.barrier()
         dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
     if eval_report is not None:  # rank 0, eval among the stages
-        print(f"[draftsmith] done: accept length tau = {eval_report['accept_len']:.3f} "
-              f"({out / 'eval' / 'report.json'})", flush=True)
+        ngram = eval_report.get("ngram_baseline")
+        versus = (f"; n-gram drafter {ngram['accept_len']:.3f} on the same prompts, {eval_report['tau_vs_ngram']:.2f}x"
+                  if ngram else "")
+        print(f"[draftsmith] done: accept length tau = {eval_report['accept_len']:.3f} on {recipe.eval.dataset}"
+              f"{versus} ({out / 'eval' / 'report.json'})", flush=True)

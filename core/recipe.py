@@ -177,6 +177,8 @@ class EvalConfig:
     num_samples: int = 80
     temperature: float = 0.0
     max_new_tokens: int = 512
+    #: also decode the same prompts with the free n-gram drafter and report the draft's tau as a ratio of its.
+    ngram_baseline: bool = True
 
 
 @dataclass

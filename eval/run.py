@@ -75,13 +75,16 @@ def make_drafter(draft: str, target, gamma: int):
 def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int, temperature: float,
              block_size: int | None, max_new_tokens: int, seed: int = 0, system_prompt: str | None = None,
              enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
-             scheduler: bool = True, target=None, hf_generate: bool = False, baselines: dict | None = None) -> dict:
+             scheduler: bool = True, target=None, hf_generate: bool = False, baselines: dict | None = None,
+             ngram_baseline: bool = False) -> dict:
     """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does).
 
     hf_generate: also time plain HF `generate` (greedy, batch size 1) on every prompt, the speed users compare with:
     `hf_generate_tokens_per_s`, `speedup_vs_generate` and `hf_generate_match` (its output equals ours).
     baselines: a dict shared by several calls in one process (one per drafter, same target and prompts): each prompt's
-    baseline decodes are run once, by the first call, and reused."""
+    baseline decodes are run once, by the first call, and reused.
+    ngram_baseline: also run the free n-gram drafter on the same prompts (report `ngram_baseline`, `tau_vs_ngram`): a
+    trained drafter that accepts less than it is not worth serving."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
@@ -135,6 +138,14 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
         report["speedup_vs_generate"] = (report["spec_tokens_per_s"] / report["hf_generate_tokens_per_s"]
                                          if report["hf_generate_tokens_per_s"] else 0.0)
         report["hf_generate_match"] = sum(s["hf_generate_exact"] for s in samples) / max(len(samples), 1)
+    if ngram_baseline and draft != "ngram":
+        ngram = run_eval(draft="ngram", target_name=target_name, dataset=dataset, out_dir=out_dir / "ngram",
+                         num_samples=num_samples, temperature=temperature, block_size=gamma,
+                         max_new_tokens=max_new_tokens, seed=seed, system_prompt=system_prompt,
+                         enable_thinking=enable_thinking, dataset_path=dataset_path, scheduler=False, target=target,
+                         baselines=baselines)
+        report["ngram_baseline"] = {key: ngram[key] for key in ("accept_len", "accept_rate_at_k", "speedup")}
+        report["tau_vs_ngram"] = report["accept_len"] / ngram["accept_len"]
     if rounds and rounds[0].confidences is not None:
         report["calibration"] = _calibrate(rounds, gamma, out_dir, dataset)
         if scheduler:
@@ -173,7 +184,7 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
                       out_dir=eval_dir, num_samples=recipe.eval.num_samples, temperature=recipe.eval.temperature,
                       block_size=None, max_new_tokens=recipe.eval.max_new_tokens, seed=recipe.seed,
                       system_prompt=recipe.data.system_prompt, enable_thinking=recipe.regen.enable_thinking,
-                      target=target)
+                      target=target, ngram_baseline=recipe.eval.ngram_baseline)
     # written last, after report.md and the plot: a crash before it reruns the stage
     stage.mark_done(eval_dir, {"accept_len": report["accept_len"]})
     return report
@@ -235,6 +246,10 @@ def report_markdown(report: dict) -> str:
         lines += ["", f"Plain HF `generate` (greedy, batch 1) on the same prompts: {report['hf_generate_tokens_per_s']:.1f} "
                       f"tok/s; speculative decoding is {report['speedup_vs_generate']:.2f}x of it; its output equals the "
                       f"target loop's on {report['hf_generate_match']:.0%} of prompts."]
+    if "ngram_baseline" in report:
+        ngram = report["ngram_baseline"]
+        lines += ["", f"The n-gram drafter on the same prompts: tau {ngram['accept_len']:.3f}, speedup "
+                      f"{ngram['speedup']:.2f}x; this draft's tau is {report['tau_vs_ngram']:.2f}x of it."]
     if "calibration" in report:
         cal = report["calibration"]
         lines += ["", "## Calibration (cumulative confidence vs prefix acceptance)", "",
@@ -280,4 +295,6 @@ def print_summary(report: dict) -> None:
           f"{report['target_tokens_per_s']:.1f} tok/s"
           + (f"; {report['speedup_vs_generate']:.2f}x of HF generate's {report['hf_generate_tokens_per_s']:.1f}"
              if "hf_generate_tokens_per_s" in report else "") + "), accept@k "
-          + ", ".join(f"{v:.2f}" for v in report["accept_rate_at_k"]), flush=True)
+          + ", ".join(f"{v:.2f}" for v in report["accept_rate_at_k"])
+          + (f"; n-gram drafter tau {report['ngram_baseline']['accept_len']:.3f} ({report['tau_vs_ngram']:.2f}x)"
+             if "ngram_baseline" in report else ""), flush=True)

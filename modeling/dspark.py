@@ -54,7 +54,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from modeling.target import decoder_layers
+from modeling.target import decoder_layers, init_fc_and_norm
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 INIT_STD = 0.02
@@ -395,7 +395,6 @@ class DSparkModel(nn.Module):
         markov="zero_w2": markov_w1 ~ N(0, 1) and markov_w2 = 0: the bias starts at 0 with a full-size gradient (both
             factors at N(0, 0.02) give a bias of ~0.003 logits that Adam cannot grow within a short schedule).
         """
-        hidden = self.config.hidden_size
         if layers == "target":
             source = decoder_layers(target_model)
             first = len(source) - len(self.layers)
@@ -412,15 +411,7 @@ class DSparkModel(nn.Module):
             self.hidden_norm.weight.copy_(source[first].input_layernorm.weight)
         elif layers != "random":
             raise ValueError(f"init layers must be 'random' or 'target', got {layers!r}")
-        if fc == "last":
-            self.fc.weight.zero_()
-            self.fc.weight[:, -hidden:].copy_(torch.eye(hidden))
-        elif fc != "random":
-            raise ValueError(f"init fc must be 'random' or 'last', got {fc!r}")
-        if norm == "target":
-            self.norm.weight.copy_(getattr(target_model, "model", target_model).norm.weight)
-        elif norm != "ones":
-            raise ValueError(f"init norm must be 'ones' or 'target', got {norm!r}")
+        init_fc_and_norm(self.fc, self.norm, target_model, fc, norm)
         if markov == "zero_w2":
             if self.markov_head is not None:
                 self.markov_head.markov_w1.weight.normal_(0.0, 1.0)

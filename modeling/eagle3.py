@@ -47,7 +47,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from modeling.target import decoder_layers
+from modeling.target import decoder_layers, init_fc_and_norm
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Config
@@ -357,15 +357,7 @@ class Eagle3Model(nn.Module):
                     layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
         elif layers != "random":
             raise ValueError(f"init layers must be 'random' or 'target', got {layers!r}")
-        if fc == "last":
-            self.fc.weight.zero_()
-            self.fc.weight[:, -hidden:].copy_(torch.eye(hidden))
-        elif fc != "random":
-            raise ValueError(f"init fc must be 'random' or 'last', got {fc!r}")
-        if norm == "target":
-            self.norm.weight.copy_(getattr(target_model, "model", target_model).norm.weight)
-        elif norm != "ones":
-            raise ValueError(f"init norm must be 'ones' or 'target', got {norm!r}")
+        init_fc_and_norm(self.fc, self.norm, target_model, fc, norm)
 
     def step_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [..., Vd] from a (normed) hidden state returned by forward_train."""

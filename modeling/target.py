@@ -124,6 +124,24 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return layers
 
 
+@torch.no_grad()
+def init_fc_and_norm(fc: torch.nn.Linear, norm: torch.nn.Module, target_model, fc_mode: str, norm_mode: str) -> None:
+    """A drafter's context projection and output norm, started from the target (the drafters' shared init levers).
+
+    fc_mode="last": fc is the identity on the last captured target layer and zero on the others.
+    norm_mode="target": the output norm starts as the target's final norm (what the frozen lm_head is used to)."""
+    hidden = fc.out_features
+    if fc_mode == "last":
+        fc.weight.zero_()
+        fc.weight[:, -hidden:].copy_(torch.eye(hidden))
+    elif fc_mode != "random":
+        raise ValueError(f"init fc must be 'random' or 'last', got {fc_mode!r}")
+    if norm_mode == "target":
+        norm.weight.copy_(getattr(target_model, "model", target_model).norm.weight)
+    elif norm_mode != "ones":
+        raise ValueError(f"init norm must be 'ones' or 'target', got {norm_mode!r}")
+
+
 def check_layer_ids(model, layer_ids: list[int]) -> None:
     num_layers = len(decoder_layers(model))
     bad = [i for i in layer_ids if not 0 <= i < num_layers]

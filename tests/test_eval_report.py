@@ -97,3 +97,17 @@ def test_hf_generate_baseline_and_shared_baselines(tiny_qwen3, prompt_file, tmp_
     assert baselines == kept  # reused, not decoded again
     assert second["target_tokens_per_s"] == first["target_tokens_per_s"]
     assert second["hf_generate_tokens_per_s"] == first["hf_generate_tokens_per_s"]
+
+
+def test_ngram_side_by_side_in_the_same_report(tiny_qwen3, prompt_file, tmp_path):
+    """ngram_baseline (the eval stage's default): the n-gram drafter decodes the same prompts with the same target, and
+    the report gives the draft's tau as a ratio of its."""
+    report = run_eval(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                      out_dir=tmp_path, num_samples=2, temperature=0.0, block_size=3, max_new_tokens=8,
+                      scheduler=False, ngram_baseline=True)
+    ngram = json.loads((tmp_path / "ngram" / "report.json").read_text())
+    assert report["ngram_baseline"]["accept_len"] == ngram["accept_len"] and ngram["draft"] == "ngram"
+    assert ngram["target_tokens_per_s"] == report["target_tokens_per_s"]  # one reference decode per prompt, shared
+    assert report["tau_vs_ngram"] == pytest.approx(report["accept_len"] / ngram["accept_len"])
+    assert report["tau_vs_ngram"] > 1.0  # the target drafting for itself accepts more than n-gram lookup
+    assert "n-gram drafter on the same prompts" in (tmp_path / "report.md").read_text()

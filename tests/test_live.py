@@ -123,8 +123,10 @@ def test_missing_engine_python_fails_before_any_work(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupted_eval_stops_the_server(tmp_path, signum):
     """A process holding a LiveServer is interrupted while the server runs: it exits and leaves nothing behind."""
+    # SIGINT restored: a shell starts background jobs (`pytest ... &`) with it ignored, and children inherit that
     script = textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(ROOT)!r})
         from eval.live import LiveServer, free_port
         port = free_port()

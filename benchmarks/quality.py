@@ -1,0 +1,297 @@
+"""Drafter quality on prompts never trained on: the three families on the same data and CPU budget, side by side with
+the n-gram drafter and plain HF `generate`, in one run.
+
+    python benchmarks/quality.py --budget-s 600 --train-prompts 256 --eval-per-source 6 --gsm8k ../shared/data/gsm8k
+                                                        # about 65 min on 2 CPU cores (the README's figures)
+    python benchmarks/quality.py --budget-s 60 --train-prompts 32 --eval-per-source 2  # a quick smoke run
+
+1. Regenerates once: the target answers the training prompts (ShareGPT, plus GSM8K train with --gsm8k) and the cache
+   stage stores its hidden states (the block drafters' 5 layers; Eagle3 reads its 3 of them from the same cache).
+2. Eval prompts from other sources: MT-bench and HumanEval first turns, plus GSM8K test with --gsm8k. Their greedy
+   answers are regenerated and cached too, to replay held-out tau cheaply along training (eval/replay.py).
+3. Trains each family with its smollm2 recipe for the same wall-clock budget on this machine: a short probe measures
+   the seconds per step, then train.max_steps = budget / that. Checkpoints along the way give the learning curve.
+4. Evaluates every final draft with the real speculative loop (T=0, gamma 7) on the eval prompts, with the n-gram
+   drafter and plain HF generate on the same prompts: tau, accept_rate@k, exact_match, speedup.
+
+Writes OUT/quality.json, OUT/quality.md and OUT/learning_curve.png (held-out tau against training minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+FAMILIES = ("dspark", "dflash", "eagle3")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+
+def sets(**values) -> list[str]:
+    return [arg for key, value in values.items() for arg in ("--set", f"{key.replace('__', '.')}={value}")]
+
+
+def run_pipeline(recipe: str, out: Path, stages: str, nproc: int, extra: list[str], log: Path) -> float:
+    """train/main.py in a child process (torchrun with nproc > 1); returns its wall seconds. Fails loudly."""
+    launcher = [sys.executable, "train/main.py"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train/main.py"]
+    command = launcher + ["--recipe", recipe, "--out", str(out), "--stages", stages] + extra
+    print(f"[quality] {' '.join(command[-(len(extra) + 6):])}", flush=True)
+    start = time.perf_counter()
+    with open(log, "a") as handle:
+        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **OFFLINE}, stdout=handle, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"[quality] failed (exit {done.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def write_eval_prompts(path: Path, per_source: int, gsm8k: Path | None, seed: int) -> list[str]:
+    from data.prompts import eval_prompts
+
+    sources = [("mtbench", None), ("humaneval", None)] + ([("gsm8k", str(gsm8k / "test.jsonl"))] if gsm8k else [])
+    rows, names = [], []
+    for name, source_path in sources:
+        for prompt in eval_prompts(name, per_source, seed, path=source_path):
+            rows.append({"id": prompt.id, "turns": [prompt.turns[0]]})
+        names.append(name)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return names
+
+
+def link_data(data_run: Path, family_run: Path) -> None:
+    """A family's run folder reads the shared regeneration and cache (the train stage only reads them)."""
+    family_run.mkdir(parents=True, exist_ok=True)
+    for name in ("regen", "cache"):
+        link = family_run / name
+        if not link.exists():
+            link.symlink_to((data_run / name).resolve(), target_is_directory=True)
+
+
+def seconds_per_step(out: Path) -> float:
+    """The median step of a probe run: the first step pays for warm-up, and sequence lengths vary step to step."""
+    rows = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    times = sorted(r["step_s"] for r in rows[1:]) or [rows[0]["step_s"]]
+    return times[len(times) // 2]
+
+
+def tau_at(points: list[dict], minutes: float) -> float:
+    """Held-out tau on a learning curve at `minutes` of training, linear between checkpoints (tau 1.0 at 0)."""
+    curve = [(0.0, 1.0)] + [(p["minutes"], p["replayed_tau"]) for p in points]
+    for (m0, t0), (m1, t1) in zip(curve, curve[1:]):
+        if m0 <= minutes <= m1:
+            return t0 + (t1 - t0) * (minutes - m0) / (m1 - m0) if m1 > m0 else t1
+    return curve[-1][1]
+
+
+def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int) -> list[dict]:
+    """Replayed held-out tau of every checkpoint, against the training minutes spent to reach it."""
+    from eval.replay import replay_records
+    from modeling.registry import load_draft_model
+
+    rows = [json.loads(line) for line in (family_run / "train" / "metrics.jsonl").read_text().splitlines()]
+    elapsed, minutes = 0.0, {}
+    for row in rows:
+        elapsed += row["step_s"]
+        minutes[row["step"]] = elapsed / 60
+    records = [eval_cache[i] for i in range(len(eval_cache))]
+    points = []
+    for ckpt in sorted((family_run / "train" / "checkpoints").glob("step-*")):
+        step = int(ckpt.name.split("-")[1])
+        model = load_draft_model(ckpt / "draft").float()
+        replay = replay_records(model, records, gamma, max_new_tokens)
+        points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"]})
+        print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}", flush=True)
+    return points
+
+
+def plot_curves(curves: dict, baselines: dict, path: Path, budget_s: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for family, points in curves.items():
+        ax.plot([0.0] + [p["minutes"] for p in points], [1.0] + [p["replayed_tau"] for p in points], marker="o",
+                label=family)
+    for name, tau in baselines.items():
+        ax.axhline(tau, linestyle="--", linewidth=1, color="grey")
+        ax.text(0, tau, f" {name} {tau:.2f}", va="bottom", fontsize=8, color="grey")
+    ax.set_xlabel("training minutes (wall clock, this machine)")
+    ax.set_ylabel("held-out tau (T=0, gamma 7)")
+    ax.set_title(f"Held-out accept length while training ({budget_s / 60:.0f} min budget per family)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def markdown(result: dict) -> str:
+    k = result["gamma"]
+    lines = [f"# Drafter quality on held-out prompts ({', '.join(result['eval_sources'])}; "
+             f"{result['num_eval_prompts']} prompts, {result['max_new_tokens']} new tokens, T=0, gamma {k})", "",
+             f"Training data: {result['train_sources']}, {result['train_records']} conversations, "
+             f"{result['train_tokens']} tokens; budget {result['budget_s']:.0f} s of training per family on "
+             f"{result['nproc']} rank(s).", "",
+             "| drafter | steps | train s | tau | exact | spec tok/s | speedup vs target loop | vs HF generate | "
+             + " | ".join(f"acc@{i + 1}" for i in range(k)) + " |",
+             "|---|---|---|---|---|---|---|---|" + "---|" * k]
+    for name, row in result["drafters"].items():
+        rep = row["report"]
+        lines.append(f"| {name} | {row.get('steps', '')} | {row.get('train_s', 0):.0f} | {rep['accept_len']:.3f} | "
+                     f"{rep['exact_match']} | {rep['spec_tokens_per_s']:.1f} | {rep['speedup']:.2f}x | "
+                     f"{rep.get('speedup_vs_generate', float('nan')):.2f}x | "
+                     + " | ".join(f"{v:.2f}" for v in rep["accept_rate_at_k"]) + " |")
+    lines += ["", f"Target loop {result['target_tokens_per_s']:.1f} tok/s, HF generate "
+                  f"{result['hf_generate_tokens_per_s']:.1f} tok/s (batch 1, greedy).", "", "Ratios of tau:", ""]
+    lines += [f"- {name}: {value:.3f}" for name, value in result["ratios"].items()]
+    # The step budget comes from a short probe, so the families' real training minutes differ: compare them on the
+    # learning curves at the shortest family's minutes too.
+    curves = result["curves"]
+    if curves:
+        minutes = min(points[-1]["minutes"] for points in curves.values())
+        lines += ["", f"On the learning curves at equal training time ({minutes:.1f} min, replayed held-out tau; "
+                      "training minutes per family: "
+                      + ", ".join(f"{f} {points[-1]['minutes']:.1f}" for f, points in curves.items()) + "):", ""]
+        lines += [f"- {family}: {tau_at(points, minutes):.3f}" for family, points in curves.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "quality", help="work folder (runs/quality)")
+    parser.add_argument("--budget-s", type=float, default=900.0, help="training seconds per family (900)")
+    parser.add_argument("--train-prompts", type=int, default=512, help="training prompts to regenerate (512)")
+    parser.add_argument("--eval-per-source", type=int, default=8, help="held-out prompts per eval source (8)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per eval prompt (128)")
+    parser.add_argument("--gsm8k", type=Path, help="folder with GSM8K train.jsonl/test.jsonl (train on train, "
+                                                   "evaluate on test); without it GSM8K is left out")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (dspark,dflash,eagle3)")
+    parser.add_argument("--nproc", type=int, default=2, help="training ranks (2)")
+    parser.add_argument("--curve-points", type=int, default=5, help="checkpoints replayed for the curve (5)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite quality.md and learning_curve.png from OUT/quality.json, training nothing")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="recipe override for every family's training, e.g. --set train.lr=2e-3")
+    args = parser.parse_args()
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+    if args.gsm8k is not None and not (args.gsm8k / "train.jsonl").is_file():
+        parser.error(f"--gsm8k {args.gsm8k}: no train.jsonl there")
+    out = args.out.resolve()
+    if args.report_only:
+        result = json.loads((out / "quality.json").read_text())
+        return write_reports(result, out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "pipeline.log"
+    extra_sets = [arg for item in args.overrides for arg in ("--set", item)]
+
+    # --- 1. training data, once -----------------------------------------------------------------------------------
+    sources = "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{args.gsm8k / 'train.jsonl'}', "
+                                                   f"weight: 1.0}}" if args.gsm8k else "") + "]"
+    data_run = out / "train-data"
+    data_s = run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", args.nproc,
+                          sets(data__sources=sources, data__num_prompts=args.train_prompts), log)
+
+    # --- 2. held-out prompts and their greedy answers ---------------------------------------------------------------
+    eval_file = out / "eval_prompts.jsonl"
+    eval_sources = write_eval_prompts(eval_file, args.eval_per_source, args.gsm8k, seed=0)
+    num_eval = len(eval_file.read_text().splitlines())
+    eval_run = out / "eval-data"
+    run_pipeline("dspark_smollm2_135m", eval_run, "regenerate,cache", args.nproc,
+                 sets(data__sources=f"[{{name: '{eval_file}'}}]", data__num_prompts=num_eval, data__holdout_fraction=0.0,
+                      data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
+                      regen__max_new_tokens=args.max_new_tokens), log)
+
+    import torch
+
+    from core.recipe import load_recipe
+    from data.capture import open_cache
+    from eval.run import run_eval
+    from modeling.target import load_target, load_tokenizer, target_hidden_size
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    hidden = target_hidden_size("smollm2-135m-instruct")
+    train_manifest = json.loads((data_run / "cache" / "manifest.json").read_text())
+
+    # --- 3. each family, the same budget ------------------------------------------------------------------------------
+    curves, trained = {}, {}
+    for family in families:
+        recipe = f"{family}_smollm2_135m"
+        probe = out / f"{family}-probe"
+        link_data(data_run, probe)
+        run_pipeline(recipe, probe, "train", args.nproc, extra_sets + sets(train__max_steps=10, train__save_every=10),
+                     log)
+        per_step = seconds_per_step(probe)
+        steps = max(1, int(args.budget_s / per_step))
+        run = out / family
+        link_data(data_run, run)
+        save_every = max(1, steps // args.curve_points)
+        train_s = run_pipeline(recipe, run, "train", args.nproc,
+                               extra_sets + sets(train__max_steps=steps, train__save_every=save_every,
+                                                 train__keep_checkpoints=0), log)
+        trained[family] = {"steps": steps, "train_s": train_s, "probe_s_per_step": per_step}
+        eval_cache = open_cache(load_recipe(recipe), eval_run / "cache", hidden, tokenizer)
+        curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens)
+        for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
+            shutil.rmtree(ckpt)
+        shutil.rmtree(probe)
+
+    # --- 4. the real loop on the held-out prompts, baselines in the same process ------------------------------------
+    target = load_target("smollm2-135m-instruct", "cuda" if torch.cuda.is_available() else "cpu")
+    baselines, drafters = {}, {}
+    for name in families + ["ngram"]:
+        draft = str(out / name / "train" / "final") if name in FAMILIES else name
+        report = run_eval(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
+                          out_dir=out / "eval" / name, num_samples=0, temperature=0.0, block_size=7,
+                          max_new_tokens=args.max_new_tokens, scheduler=False, target=target, hf_generate=True,
+                          baselines=baselines)
+        drafters[name] = {**trained.get(name, {}), "report": {k: v for k, v in report.items() if k != "samples"}}
+        print(f"[quality] {name}: tau {report['accept_len']:.3f}, speedup {report['speedup']:.2f}x, "
+              f"{report['speedup_vs_generate']:.2f}x of HF generate", flush=True)
+
+    tau = {name: row["report"]["accept_len"] for name, row in drafters.items()}
+    ratios = {}
+    if "dspark" in tau:
+        ratios.update({f"dspark/{other}": ratio(tau["dspark"], tau[other]) for other in ("dflash", "eagle3")
+                       if other in tau})
+    ratios.update({f"{f}/ngram": ratio(tau[f], tau["ngram"]) for f in families})
+    first = next(iter(drafters.values()))["report"]
+    result = {"budget_s": args.budget_s, "nproc": args.nproc, "gamma": 7, "max_new_tokens": args.max_new_tokens,
+              "train_sources": sources, "train_records": train_manifest["num_records"],
+              "train_tokens": train_manifest["num_tokens"], "data_s": data_s, "eval_sources": eval_sources,
+              "num_eval_prompts": first["num_samples"], "target_tokens_per_s": first["target_tokens_per_s"],
+              "hf_generate_tokens_per_s": first["hf_generate_tokens_per_s"], "drafters": drafters,
+              "ratios": ratios, "curves": curves}
+    (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
+    return write_reports(result, out)
+
+
+def write_reports(result: dict, out: Path) -> int:
+    (out / "quality.md").write_text(markdown(result))
+    plot_curves(result["curves"], {"ngram": result["drafters"]["ngram"]["report"]["accept_len"]},
+                out / "learning_curve.png", result["budget_s"])
+    print(markdown(result))
+    print(f"[quality] {out / 'quality.md'}, {out / 'learning_curve.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
