@@ -114,12 +114,9 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
 
 
 def plot_curves(curves: dict, baselines: dict, path: Path, budget_s: float) -> None:
-    import matplotlib
+    from eval.run import new_plot, save_plot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_plot((7, 4))
     for family, points in curves.items():
         ax.plot([0.0] + [p["minutes"] for p in points], [1.0] + [p["replayed_tau"] for p in points], marker="o",
                 label=family)
@@ -129,11 +126,7 @@ def plot_curves(curves: dict, baselines: dict, path: Path, budget_s: float) -> N
     ax.set_xlabel("training minutes (wall clock, this machine)")
     ax.set_ylabel("held-out tau (T=0, gamma 7)")
     ax.set_title(f"Held-out accept length while training ({budget_s / 60:.0f} min budget per family)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path)
 
 
 def ratio(a: float, b: float) -> float:

@@ -268,25 +268,36 @@ def _fmt(value) -> str:
     return "nan" if value is None or value != value else f"{value:.3f}"
 
 
-def plot_acceptance(report: dict, path: Path) -> None:
+def new_plot(size: tuple[float, float]):
+    """A figure on the non-interactive backend (servers have no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(figsize=size)
+
+
+def save_plot(fig, ax, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_acceptance(report: dict, path: Path) -> None:
     positions = list(range(1, len(report["accept_rate_at_k"]) + 1))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = new_plot((6, 3.5))
     ax.plot(positions, report["accept_rate_at_k"], marker="o", label="prefix survival")
     ax.plot(positions, report["cond_accept_rate_at_k"], marker="s", label="conditional")
     ax.set_xlabel("draft position k")
     ax.set_ylabel("acceptance")
     ax.set_ylim(0, 1.02)
     ax.set_title(f"{report['dataset']}: tau = {report['accept_len']:.2f} (T={report['temperature']})")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, path)
 
 
 def print_summary(report: dict) -> None:
