@@ -87,6 +87,10 @@ class _TrainModule(torch.nn.Module):
     def save_draft(self, path: Path) -> None:
         save_draft(self.draft, path)
 
+    def has_idle_params(self) -> bool:
+        """Whether some step's loss leaves trainable parameters without a gradient (plain DDP must be told)."""
+        return False
+
 
 def _init_draft(draft, recipe, target, cache) -> None:
     """The recipe's starts (draft.init_*): from the target's layers and norm, and fc's columns scaled to the data."""
@@ -109,6 +113,11 @@ class BlockTrainModule(_TrainModule):
 
     #: the optimizer step being computed; the trainer sets it before each forward (loss.ce_warmup_steps reads it).
     step: int = 0
+
+    def has_idle_params(self) -> bool:
+        # the confidence head at conf_alpha 0, or during the CE-only first steps below
+        loss = self.recipe.loss
+        return self.draft.confidence_head is not None and (loss.conf_alpha == 0 or loss.ce_warmup_steps > 0)
 
     def forward(self, batch: dict):
         loss = self.recipe.loss

@@ -169,13 +169,9 @@ class Engine:
                                                **({"fused": True} if train.fused_optimizer else {}))
             self.module = module
             if dist.world_size > 1:
-                # a confidence head whose loss weight is 0 (conf_alpha 0, or the CE-only first steps of
-                # loss.ce_warmup_steps) gets no gradient, which plain DDP refuses unless told to look for it
-                loss = recipe.loss
-                idle_head = recipe.draft.enable_confidence_head and (loss.conf_alpha == 0 or loss.ce_warmup_steps > 0)
                 self.module = torch.nn.parallel.DistributedDataParallel(
                     module, device_ids=[dist.device.index] if dist.device.type == "cuda" else None,
-                    find_unused_parameters=idle_head)
+                    find_unused_parameters=module.has_idle_params())
 
     def sync_context(self, last_micro: bool):
         if self.kind == "ddp" and self.dist.world_size > 1 and not last_micro:
