@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages regenerate,cache --set data.num_prompts=64
     python train/main.py --list-recipes
 
-Stages: regenerate (the target answers the prompts) -> cache (target hidden states) -> train -> eval -> export
+Stages: regenerate (the target answers the prompts) -> cache (target hidden states; skipped when
+train.hidden_states is online) -> train -> opd (on-policy distillation; when opd.rounds > 0) -> eval -> export
 (an SGLang checkpoint in runs/<recipe>/export/sglang, with the eval's STS calibration beside a DSpark draft).
 Each stage writes into --out (default runs/<recipe>) and is skipped when its output is already complete
 (core/stage.py), so rerunning the same command after a crash resumes where it stopped.
@@ -26,20 +27,22 @@ from core.dist import close_dist, init_dist
 from core.io import atomic_write_text
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from data.capture import open_cache, run_cache
+from data.online import OnlineRecords
 from data.regenerate import run_regenerate
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
 from export.serving import STS_FILENAME
 from modeling.target import load_target, load_tokenizer, target_hidden_size
+from train.opd import run_opd
 from train.trainer import run_train
 
-STAGES = ("regenerate", "cache", "train", "eval", "export")
+STAGES = ("regenerate", "cache", "train", "opd", "eval", "export")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="train/main.py",
-        description="Train a speculative-decoding drafter: regenerate -> cache -> train -> eval -> export.",
+        description="Train a speculative-decoding drafter: regenerate -> cache -> train -> opd -> eval -> export.",
         epilog="Example: torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m "
                "--stages regenerate,cache --set data.num_prompts=64",
     )
@@ -88,6 +91,19 @@ def main(argv=None) -> int:
     return 0
 
 
+def training_records(recipe, out: Path, tokenizer, target):
+    """What train and opd read: the cache stage's cache, or the regenerated records with the target computing the
+    hidden states per step (train.hidden_states online)."""
+    if recipe.train.hidden_states == "online":
+        return OnlineRecords(recipe, out / "regen", tokenizer, target)
+    return open_cache(recipe, out / "cache", target_hidden_size(recipe.target.name_or_path), tokenizer)
+
+
+def final_draft(recipe, out: Path) -> Path:
+    """The draft eval and export read: on-policy distilled when the recipe has opd rounds."""
+    return out / ("opd" if recipe.opd.rounds > 0 else "train") / "final"
+
+
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
     tokenizer = load_tokenizer(recipe.target.name_or_path)
     model = None
@@ -104,19 +120,27 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
         if name == "regenerate":
             run_regenerate(recipe, out / "regen", dist, target, tokenizer)
         elif name == "cache":
+            if recipe.train.hidden_states == "online":
+                dist.print("[cache] skipped: train.hidden_states is online (the train stage runs the target itself)")
+                continue
             run_cache(recipe, out / "regen", out / "cache", dist, target, tokenizer)
         elif name == "train":
-            cache = open_cache(recipe, out / "cache", target_hidden_size(recipe.target.name_or_path), tokenizer)
-            run_train(recipe, cache, out / "train", dist, target)
+            run_train(recipe, training_records(recipe, out, tokenizer, target), out / "train", dist, target)
+        elif name == "opd":
+            if recipe.opd.rounds == 0:
+                dist.print("[opd] skipped: opd.rounds is 0 (on-policy distillation is opt-in)")
+                continue
+            run_opd(recipe, training_records(recipe, out, tokenizer, target), out / "train" / "final", out / "opd",
+                    dist, target)
         elif name == "eval":
             if dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
-                eval_report = run_eval_stage(recipe, out / "train" / "final", out / "eval", target())
+                eval_report = run_eval_stage(recipe, final_draft(recipe, out), out / "eval", target())
                 print_summary(eval_report)
             dist.barrier()
         elif name == "export":
             if dist.is_main:
                 sts = out / "eval" / STS_FILENAME
-                done = run_export_stage(out / "train" / "final", out / "export", recipe.target.name_or_path,
+                done = run_export_stage(final_draft(recipe, out), out / "export", recipe.target.name_or_path,
                                         sts if sts.is_file() else None)
                 print(f"[export] SGLang checkpoint: {done['path']}\n[export] serve it (GPU) with: {done['command']}",
                       flush=True)

@@ -164,11 +164,29 @@ class TrainConfig:
     #: auto = bf16 on GPU, fp32 on CPU; bf16 on a CPU autocasts over fp32 weights (fast where the CPU has bf16
     #: matrix units, e.g. AMX), fp32 everywhere is the bit-exact reference.
     precision: Literal["auto", "bf16", "fp32"] = "auto"
+    #: cache = read the cache stage's hidden states; online = run the frozen target on each step's rows in the training
+    #: processes (no cache stage, nothing on disk but checkpoints; see data/online.py).
+    hidden_states: Literal["cache", "online"] = "cache"
     save_every: int = 1000
     #: checkpoints kept on disk (newest first); older ones are deleted once a newer one is complete. 0 keeps all.
     keep_checkpoints: int = 2
     log_every: int = 10
     wandb_project: Optional[str] = None
+
+
+@dataclass
+class OpdConfig:
+    """On-policy distillation after `train` (train/opd.py): rounds of greedy rollout with the current drafter on
+    training conversations, then updates on the positions where verification rejected its drafts."""
+
+    #: 0 = no opd stage (the pipeline skips it and eval/export read train/final).
+    rounds: int = 0
+    #: training conversations rolled out per round (a seeded sample; all of them when the data holds fewer).
+    rollout_records: int = 64
+    #: optimizer steps per round, each of train.global_batch_size sequences, at a constant learning rate.
+    #: optimizer steps per round (train.global_batch_size sequences each); the lr decays from opd.lr within a round.
+    steps_per_round: int = 20
+    lr: float = 3.0e-4
 
 
 @dataclass
@@ -192,6 +210,7 @@ class Recipe:
     draft: DraftConfig = field(default_factory=DraftConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    opd: OpdConfig = field(default_factory=OpdConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     #: filled in by load_recipe; not a key you set.
     name: str = ""

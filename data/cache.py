@@ -400,6 +400,11 @@ class TargetCache(torch.utils.data.Dataset):
     def num_tokens(self) -> int:
         return int(self.manifest["num_tokens"])
 
+    def with_hidden(self, records: list[dict]) -> list[dict]:
+        """The records, ready for a forward: cache records carry their hidden states already (data/online.py's
+        reader computes them here instead)."""
+        return records
+
     @property
     def seq_lens(self) -> np.ndarray:
         """Per-record token counts (int64 copy), e.g. for length-bucketed batching."""

@@ -51,6 +51,24 @@ def tokenize_records(records: list[dict], tokenizer, recipe) -> tuple[list[dict]
     return kept, dropped
 
 
+def regen_digest(regen_dir: Path) -> str:
+    """sha256 of a finished regeneration's records: what the cache (or an online train stage) is made from. The
+    records' digest, not their path, so a cache is byte-identical wherever the run folder lives."""
+    if not stage.is_done(regen_dir):
+        raise RuntimeError(f"{regen_dir} holds no finished regeneration: run the regenerate stage first "
+                           f"(--stages regenerate,...)")
+    return hashlib.sha256((Path(regen_dir) / "records.jsonl").read_bytes()).hexdigest()
+
+
+def training_rows(recipe, regen_dir: Path, tokenizer) -> tuple[list[dict], int]:
+    """The regenerated conversations as (input_ids, loss_mask) rows, in record order, and how many were dropped."""
+    rows, dropped = tokenize_records(read_records(regen_dir), tokenizer, recipe)
+    if not rows:
+        raise RuntimeError(f"no conversation in {regen_dir} has {recipe.data.min_loss_tokens}+ supervised tokens "
+                           f"(data.min_loss_tokens)")
+    return rows, dropped
+
+
 def loss_token_counts(rows: list[dict]) -> list[list[int]]:
     """[[token id, count], ...] (ascending ids) of the supervised tokens (loss_mask 1) of every conversation. Written
     into the manifest at cache time: Eagle3's pruned draft vocabulary is the most frequent of them, and reading
@@ -77,40 +95,42 @@ def read_loss_token_counts(cache: TargetCache, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def capture_rows(model, rows: list[dict], layer_ids: list[int], dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(hidden_states [T, K*H], last_hidden_state [T, H]) of each row, in `dtype` on the CPU, from one target forward
+    over the rows (right-padded: the forward is causal, so real positions never see the padding). The cache stage
+    stores these; the train stage's online mode (data/online.py) computes them for each step's rows instead."""
+    device = model.device
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, : len(r["input_ids"])] = torch.as_tensor(r["input_ids"])
+        attention_mask[i, : len(r["input_ids"])] = 1
+    hidden, last = capture_hidden_states(model, input_ids.to(device), attention_mask.to(device), layer_ids)
+    return [(hidden[i, :len(r["input_ids"])].to("cpu", dtype), last[i, :len(r["input_ids"])].to("cpu", dtype))
+            for i, r in enumerate(rows)]
+
+
 def _shard_records(model, rows: list[dict], first_id: int, layer_ids: list[int], batch_size: int, dtype, bar):
     """Yield cache records for `rows` (record ids first_id, first_id+1, ...), `batch_size` conversations per forward."""
-    device = model.device
     for start in range(0, len(rows), batch_size):
         batch = rows[start: start + batch_size]
-        width = max(len(r["input_ids"]) for r in batch)
-        # Right padding: the forward is causal, so real positions never see the padding.
-        input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-        attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, r in enumerate(batch):
-            input_ids[i, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-            attention_mask[i, : len(r["input_ids"])] = 1
-        hidden, last = capture_hidden_states(model, input_ids.to(device), attention_mask.to(device), layer_ids)
-        for i, r in enumerate(batch):
-            n = len(r["input_ids"])
+        for i, (r, (hidden, last)) in enumerate(zip(batch, capture_rows(model, batch, layer_ids, dtype))):
             yield {
                 "record_id": first_id + start + i,
                 "input_ids": torch.tensor(r["input_ids"], dtype=torch.int32),
                 "loss_mask": torch.tensor(r["loss_mask"], dtype=torch.uint8),
-                "hidden_states": hidden[i, :n].to("cpu", dtype),
-                "last_hidden_state": last[i, :n].to("cpu", dtype),
+                "hidden_states": hidden,
+                "last_hidden_state": last,
             }
-            bar.update(n)
+            bar.update(len(r["input_ids"]))
 
 
 def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tokenizer) -> dict:
     """The `cache` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
     out_dir = Path(out_dir)
-    if not stage.is_done(regen_dir):
-        raise RuntimeError(f"{regen_dir} holds no finished regeneration: run the regenerate stage first "
-                           f"(--stages regenerate,cache)")
+    records_sha256 = regen_digest(regen_dir)
     spec = cache_spec(recipe, target_hidden_size(recipe.target.name_or_path), tokenizer)
-    # The records' digest, not their path: the cache must be byte-identical wherever the run folder lives.
-    records_sha256 = hashlib.sha256((Path(regen_dir) / "records.jsonl").read_bytes()).hexdigest()
     settings = {"regen_records_sha256": records_sha256, "spec": asdict(spec), "cache": asdict(recipe.cache),
                 "data": {k: getattr(recipe.data, k) for k in ("max_length", "thinking", "min_loss_tokens")}}
     done = stage.start(out_dir, settings, "cache", dist.is_main)
@@ -119,9 +139,7 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
     model = get_model()
     check_layer_ids(model, recipe.target.layer_ids)
 
-    rows, dropped = tokenize_records(read_records(regen_dir), tokenizer, recipe)
-    if not rows:
-        raise RuntimeError(f"no conversation in {regen_dir} has {recipe.data.min_loss_tokens}+ supervised tokens")
+    rows, dropped = training_rows(recipe, regen_dir, tokenizer)
     num_tokens = sum(len(r["input_ids"]) for r in rows)
     per_token = bytes_per_token(spec)
     dist.print(f"[cache] {len(rows)} conversations ({dropped} dropped under data.min_loss_tokens), {num_tokens} tokens; "

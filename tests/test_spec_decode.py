@@ -465,7 +465,7 @@ def bigram_pair():
 
 @pytest.mark.parametrize("name", ["dspark-bigram", "dspark", "dspark-rnn", "dflash", "eagle3"])
 def test_replay_gives_the_loops_rounds(name, target):
-    from eval.replay import answer_span, draft_matches, replay_rounds
+    from train.rollout import answer_span, draft_matches, replay_rounds
 
     if name == "dspark-bigram":
         target, drafter = bigram_pair()

@@ -51,6 +51,15 @@ def pad_records(records: list[dict], device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def rollout_mask(records: list[dict], width: int, shift: int) -> torch.Tensor:
+    """[B, width] bool, True at a + shift for each replayed round start a of each record (`rollout_starts`)."""
+    mask = torch.zeros(len(records), width, dtype=torch.bool)
+    for i, r in enumerate(records):
+        where = r["rollout_starts"].long() + shift
+        mask[i, where[(where >= 0) & (where < width)]] = True
+    return mask
+
+
 def attach_hidden(batch: dict, records: list[dict], device, dtype) -> dict:
     """Add the records' padded hidden states, cast to the compute dtype. Done per micro-batch right before its
     forward, so a large global batch never holds every micro-batch's hidden states at once (the records themselves
@@ -75,7 +84,7 @@ def input_scale(cache, max_records: int = 256) -> torch.Tensor:
     draft.init_fc=normalized divides fc's columns by it at the start."""
     total, count = None, 0
     for i in range(min(len(cache), max_records)):
-        states = cache[i]["hidden_states"][1:].double()
+        states = cache.with_hidden([cache[i]])[0]["hidden_states"][1:].double()
         total = states.pow(2).sum(0) if total is None else total + states.pow(2).sum(0)
         count += states.shape[0]
     return (total / max(count, 1)).sqrt().clamp(min=1e-3).float()
@@ -156,7 +165,10 @@ class BlockAlgorithm:
         batch = pad_records(records, device)
         gamma, num_anchors = recipe.draft.block_size, recipe.draft.num_anchors
         loss_mask = batch["loss_mask"].cpu()
-        per_sample = [sample_anchor_positions(loss_mask[i: i + 1], num_anchors, _seeded(*seed))[0]
+        # Anchors are drawn among positions a with loss_mask[a+1]; an on-policy batch (train/opd.py) allows only the
+        # starts of its replayed rounds instead.
+        anchor_mask = rollout_mask(records, loss_mask.shape[1], shift=1) if "rollout_starts" in records[0] else loss_mask
+        per_sample = [sample_anchor_positions(anchor_mask[i: i + 1], num_anchors, _seeded(*seed))[0]
                       for i, seed in enumerate(seeds)]
         width = max(1, max(len(a) for a in per_sample))
         anchors = torch.full((len(per_sample), width), -1, dtype=torch.long)
@@ -228,6 +240,8 @@ class Eagle3Algorithm:
     def make_batch(recipe, records: list[dict], seeds: list[tuple], device) -> dict:
         batch = pad_records(records, device)
         valid = ttt_valid_mask(batch["loss_mask"], batch["attention_mask"], recipe.draft.ttt_length)
+        if "rollout_starts" in records[0]:  # on-policy batch: the rounds pending at a draft from t = a - 1
+            valid = valid & rollout_mask(records, valid.shape[-1], shift=-1).to(valid.device)
         batch["step_valid"] = list(valid)
         batch["weight_sum"] = eagle3_weight_sum(valid, recipe.loss.step_loss_decay)
         return batch

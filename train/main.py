@@ -1,4 +1,4 @@
-"""DraftSmith's entry point: run a recipe's stages (regenerate -> cache -> train -> eval -> export).
+"""DraftSmith's entry point: run a recipe's stages (regenerate -> cache -> train -> opd -> eval -> export).
 
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages regenerate,cache --set data.num_prompts=64
     python train/main.py --list-recipes

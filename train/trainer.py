@@ -1,4 +1,5 @@
-"""The one Trainer: fits a DSpark, DFlash or Eagle3 drafter on the hidden-state cache.
+"""The one Trainer: fits a DSpark, DFlash or Eagle3 drafter on the target's hidden states (from the cache stage, or
+computed per step by the target itself: train.hidden_states online, data/online.py).
 
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages train
 
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 
 from core import stage
 from core.io import atomic_write_text, publish_dir
+from modeling.registry import draft_digest, load_draft_model
 from train.algorithms import attach_hidden, get_algorithm
 from core.dist import Dist, fault_point
 from core.recipe import recipe_to_dict
@@ -258,15 +260,18 @@ class Logger:
 # --- the stage ----------------------------------------------------------------------------------------------------
 
 
-def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
-    """The `train` stage on an opened TargetCache. Returns the stats written to DONE.json."""
+def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: Path | None = None) -> dict:
+    """The `train` stage on an opened TargetCache, or on data/online.py's OnlineRecords (same interface: the target
+    computes each micro-batch's hidden states). `init_from`: a draft folder to start from instead of the recipe's
+    initialisation (train/opd.py's rounds). Returns the stats written to DONE.json."""
     out_dir = Path(out_dir)
     train = recipe.train
     settings = {"family": recipe.family, "seed": recipe.seed, "draft": vars(recipe.draft), "loss": vars(recipe.loss),
                 # what only logs or disk use depends on may change between runs of one folder
                 "train": {k: v for k, v in vars(train).items()
                           if k not in ("log_every", "wandb_project", "keep_checkpoints")},
-                "cache_index_sha256": cache.manifest.get("index_sha256")}
+                "cache_index_sha256": cache.manifest.get("index_sha256"),
+                **({"init_from_sha256": draft_digest(init_from)} if init_from else {})}
     done = stage.start(out_dir, settings, "train", dist.is_main)
     if done is not None:
         return done
@@ -280,7 +285,10 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
     torch.manual_seed(recipe.seed)
     # The drafter plus what its loss needs (frozen target head, ...); its forward(batch) returns the loss sums,
     # so DDP and DeepSpeed see one ordinary forward per micro-batch.
-    module = algo.build(recipe, get_target(), cache).to(dist.device)
+    module = algo.build(recipe, get_target(), cache)
+    if init_from is not None:
+        module.draft.load_state_dict(load_draft_model(init_from, get_target(), dtype=torch.float32).state_dict())
+    module = module.to(dist.device)
     engine = Engine(module, recipe, dist, grad_accum)
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
 
@@ -292,8 +300,8 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         start_step = state["step"]
         first = state.get("first_metrics")
         dist.print(f"[train] resuming from {resume} (step {start_step})")
-    dist.print(f"[train] {recipe.family}: {trainable / 1e6:.2f}M trainable parameters, {len(cache)} cached "
-               f"conversations, {train.max_steps} steps × {train.global_batch_size} sequences "
+    dist.print(f"[train] {recipe.family}: {trainable / 1e6:.2f}M trainable parameters, {len(cache)} conversations "
+               f"(hidden states: {train.hidden_states}), {train.max_steps} steps × {train.global_batch_size} sequences "
                f"({dist.world_size} rank(s) × {train.micro_batch_size} × {grad_accum} accumulation), "
                f"engine {engine.kind}{'' if engine.kind == 'ddp' else f' ZeRO-{train.zero_stage}'}")
 
@@ -323,11 +331,14 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         # --- forward/backward every micro-batch, then one optimizer step
         totals: dict = {}
         grad_norm = None
+        hidden_s = 0.0  # reading (cache) or computing (online) the hidden states
         lr = lr_at(step, recipe)
         module.step = step  # step-dependent losses (loss.ce_warmup_steps)
         for i, (recs, batch) in enumerate(zip(records, micro)):
             last_micro = i == len(micro) - 1
-            batch = attach_hidden(batch, recs, dist.device, input_dtype)
+            t_hidden = time.perf_counter()
+            batch = attach_hidden(batch, cache.with_hidden(recs), dist.device, input_dtype)
+            hidden_s += time.perf_counter() - t_hidden
             with engine.sync_context(last_micro), autocast:
                 out = engine.module(batch)
                 # DDP and DeepSpeed average gradients over ranks: × world size undoes that.
@@ -349,7 +360,8 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target) -> dict:
         metrics = algo.summarize(totals, dist, weight_total)
         tokens, = dist.sum(sum(int(b["attention_mask"].sum()) for b in micro))
         elapsed = dist.max(time.perf_counter() - t0)
-        metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed, step_s=elapsed)
+        metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed, step_s=elapsed,
+                       hidden_s=dist.max(hidden_s))
         first = first or metrics
         last = metrics
         logger.log(step + 1, metrics, to_dashboards=(step + 1) % train.log_every == 0 or step == 0)

@@ -1,0 +1,62 @@
+"""Online hidden states: the train stage runs the frozen target itself, so no hidden-state cache is written.
+
+    torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages regenerate,train \
+        --set train.hidden_states=online
+
+With `train.hidden_states: online` the Trainer reads the regenerated records (tokenized exactly as the cache stage
+tokenizes them, in the same order) and, for each micro-batch, runs the target (no grad) over exactly those rows to
+get the selected layers' outputs and the final-norm state. Nothing reaches the disk but checkpoints: a cache costs
+6.9 KB per token for SmolLM2 and 30-40 KB per token for an 8B target, terabytes for a real run.
+
+The states are rounded to `cache.dtype`, as the cache stage would store them, so an online run and an offline run
+of one recipe (same seed, same rows) train on the same numbers and log the same losses. The price is one target
+forward per sequence per epoch instead of one in all; a target too large to sit beside the drafter in every training
+process keeps the offline cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from data.capture import TOKEN_COUNTS_KEY, capture_rows, loss_token_counts, regen_digest, training_rows
+
+
+class OnlineRecords:
+    """What the Trainer reads of a TargetCache (len, [i], manifest, with_hidden), over regenerated records.
+
+    `[i]` gives a record's tokens only; `with_hidden(records)` adds their hidden states, one target forward per
+    `cache.batch_size` records, right before the micro-batch's forward (so a step never holds more than one
+    micro-batch of states)."""
+
+    def __init__(self, recipe, regen_dir: Path, tokenizer, get_model):
+        self.root = Path(regen_dir)
+        records_sha256 = regen_digest(regen_dir)
+        self.rows, dropped = training_rows(recipe, regen_dir, tokenizer)
+        self.get_model = get_model
+        self.layer_ids = list(recipe.target.layer_ids)
+        self.dtype = getattr(torch, recipe.cache.dtype)
+        self.batch_size = recipe.cache.batch_size
+        # The manifest keys the Trainer and the families read: the data's identity, Eagle3's token counts.
+        self.manifest = {"index_sha256": f"online:{records_sha256}", "num_records": len(self.rows),
+                         "num_tokens": sum(len(r["input_ids"]) for r in self.rows),
+                         "meta": {"regen_records_sha256": records_sha256, "dropped": dropped,
+                                  TOKEN_COUNTS_KEY: loss_token_counts(self.rows)}}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict:
+        row = self.rows[index]
+        return {"record_id": index, "input_ids": torch.tensor(row["input_ids"], dtype=torch.int32),
+                "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.uint8)}
+
+    def with_hidden(self, records: list[dict]) -> list[dict]:
+        model = self.get_model()
+        out = []
+        for start in range(0, len(records), self.batch_size):
+            chunk = records[start: start + self.batch_size]
+            states = capture_rows(model, chunk, self.layer_ids, self.dtype)
+            out += [{**r, "hidden_states": hidden, "last_hidden_state": last} for r, (hidden, last) in zip(chunk, states)]
+        return out

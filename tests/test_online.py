@@ -1,0 +1,67 @@
+"""Online hidden states (train.hidden_states: online): the train stage runs the target itself and no cache is written.
+Every family trains and evaluates end to end on the real SmolLM2 target with no cache on disk; on the tiny Qwen3, an
+online run (killed and resumed on the way) logs exactly the losses of the offline run on the same rows."""
+
+import json
+import shutil
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_cli, set_args, tiny_overrides
+from pipeline import main
+from test_trainer import TRAIN, metrics
+
+
+def strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_s", "hidden_s")} for r in rows]
+
+
+def test_online_run_equals_offline_run_and_resumes_exactly(tiny_qwen3, prompt_file, tmp_path):
+    offline, online = tmp_path / "offline", tmp_path / "online"
+    # One conversation per target forward in both runs: a padded batch of other rows may round a state differently.
+    sets = {**TRAIN, "train.max_steps": 6, "train.save_every": 2, "cache.batch_size": 1}
+    base = ["--recipe", "dspark_qwen3_8b", "--out"]
+    done = run_cli(base + [str(offline), "--stages", "regenerate,cache,train"] + tiny_overrides(tiny_qwen3, prompt_file, **sets))
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    # the same regenerated records, trained online: killed after step 3, then resumed from the step-2 checkpoint
+    online.mkdir()
+    shutil.copytree(offline / "regen", online / "regen")
+    args = base + [str(online), "--stages", "regenerate,cache,train"] + tiny_overrides(tiny_qwen3, prompt_file, **sets, **{"train.hidden_states": "online"})
+    killed = run_cli(args, {"DRAFTSMITH_KILL_AT": "train:3"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = run_cli(args)  # every stage: regenerate is complete, cache is skipped, train resumes
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "[cache] skipped: train.hidden_states is online" in resumed.stdout and "resuming from" in resumed.stdout
+    assert not (online / "cache").exists()
+
+    assert strip_timing(metrics(online)) == strip_timing(metrics(offline))  # every loss, norm and rate, exactly
+    a = load_file(str(offline / "train" / "final" / "model.safetensors"))
+    b = load_file(str(online / "train" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(row["hidden_s"] > 0 for row in metrics(online))
+
+
+def test_each_family_trains_online_on_smollm2_with_no_cache(tmp_path, capsys):
+    sets = {"data.sources": "[{name: mtbench}]", "data.num_prompts": 2, "data.min_loss_tokens": 1,
+            "data.max_length": 160, "regen.max_new_tokens": 16, "regen.batch_size": 2, "train.hidden_states": "online",
+            "draft.num_layers": 1, "draft.num_anchors": 8, "draft.block_size": 3, "draft.ttt_length": 3,
+            "train.global_batch_size": 2, "train.micro_batch_size": 1, "train.max_steps": 2, "train.save_every": 2,
+            "train.log_every": 1, "train.warmup_ratio": 0.0,
+            "eval.dataset": "humaneval", "eval.num_samples": 1, "eval.max_new_tokens": 8}
+    regen = tmp_path / "regen-once"
+    assert main(["--recipe", "dflash_smollm2_135m", "--out", str(regen), "--stages", "regenerate"] + set_args(sets)) == 0
+    for family, extra in (("dspark", {"draft.markov_rank": 8}), ("dflash", {}), ("eagle3", {"draft.draft_vocab_size": 256})):
+        out = tmp_path / family
+        out.mkdir()
+        shutil.copytree(regen / "regen", out / "regen")  # the three recipes share their data and regeneration keys
+        capsys.readouterr()
+        assert main(["--recipe", f"{family}_smollm2_135m", "--out", str(out)] + set_args({**sets, **extra})) == 0
+        printed = capsys.readouterr().out
+        assert "[cache] skipped" in printed and "(hidden states: online)" in printed
+        assert sorted(p.name for p in out.iterdir()) == ["eval", "export", "recipe.yaml", "regen", "train"], family
+        rows = metrics(out)
+        assert [r["step"] for r in rows] == [1, 2] and all(r["hidden_s"] > 0 and r["loss"] > 0 for r in rows)
+        report = json.loads((out / "eval" / "report.json").read_text())
+        assert report["exact_match"] == 1.0 and report["accept_len"] >= 1.0

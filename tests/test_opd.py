@@ -1,0 +1,111 @@
+"""The opd stage (on-policy distillation, train/opd.py) on the tiny Qwen3: on-policy batches train only at the
+replayed rounds' starts, and rounds of rollout + update run after train, resumable, with eval and export reading the
+distilled draft."""
+
+import json
+
+import pytest
+import torch
+
+from core.recipe import load_recipe
+from modeling.registry import draft_digest
+from pipeline import final_draft
+from safetensors.torch import load_file
+from train.algorithms import get_algorithm
+from train.opd import RolloutRecords
+
+from conftest import run_cli
+from test_trainer import copy_run, train_args
+
+
+class ListRecords:
+    """A stand-in for the cache: records with tokens only (make_batch never reads hidden states)."""
+
+    def __init__(self, rows):
+        self.rows, self.manifest = rows, {"index_sha256": "test"}
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+    def with_hidden(self, records):
+        return records
+
+
+def rows():
+    ids = torch.arange(20, dtype=torch.int32)
+    mask = torch.tensor([0] * 6 + [1] * 14, dtype=torch.uint8)
+    return [{"input_ids": ids, "loss_mask": mask}, {"input_ids": ids[:16], "loss_mask": mask[:16]}]
+
+
+@pytest.mark.parametrize("family", ["dspark", "eagle3"])
+def test_on_policy_batches_train_only_at_round_starts(family):
+    recipe = load_recipe(f"{family}_qwen3_8b", ["draft.num_anchors=64", "draft.block_size=3", "draft.ttt_length=3"])
+    starts = [torch.tensor([5, 8, 12]), torch.tensor([5, 9])]
+    data = RolloutRecords(ListRecords(rows()), [0, 1], starts)
+    algo = get_algorithm(family)
+    plain = algo.make_batch(recipe, [ListRecords(rows())[i] for i in range(2)], seeds=[(1, 0, 0), (1, 0, 1)],
+                            device="cpu")
+    batch = algo.make_batch(recipe, [data[0], data[1]], seeds=[(1, 0, 0), (1, 0, 1)], device="cpu")
+    if family == "dspark":
+        for row, expected in zip(batch["anchor_positions"].tolist(), starts):
+            assert sorted(a for a in row if a >= 0) == expected.tolist()
+        assert (plain["anchor_positions"] >= 0).sum() > (batch["anchor_positions"] >= 0).sum()
+    else:  # Eagle3: the TTT steps are supervised from t = start - 1 only
+        for i, expected in enumerate(starts):
+            for step in batch["step_valid"]:
+                assert set(step[i].nonzero().flatten().tolist()) <= set((expected - 1).tolist())
+            assert batch["step_valid"][0][i].sum() > 0
+    assert 0 < batch["weight_sum"] < plain["weight_sum"]
+    assert data.manifest["index_sha256"] != RolloutRecords(ListRecords(rows()), [0, 1], starts[::-1]).manifest[
+        "index_sha256"]
+
+
+@pytest.fixture(scope="module")
+def greedy_run(tiny_qwen3, prompt_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("greedy")
+    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="regenerate,cache",
+                              **{"regen.temperature": 0.0}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"dspark": out}
+
+
+def test_opd_rounds_follow_train_and_feed_export(greedy_run, tiny_qwen3, prompt_file, tmp_path):
+    out = copy_run(greedy_run, "dspark", tmp_path / "run")
+    extra = {"regen.temperature": 0.0, "train.max_steps": 4, "opd.rounds": 2, "opd.rollout_records": 6,
+             "opd.steps_per_round": 2}
+    args = train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,opd,export", **extra)
+    done = run_cli(args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[opd] round 1/2: rollout tau" in done.stdout and "[opd] done: rollout tau" in done.stdout
+    stats = json.loads((out / "opd" / "DONE.json").read_text())
+    assert [h["round"] for h in stats["rounds"]] == [1, 2, 3] and all(h["rollout_tau"] >= 1.0 for h in stats["rounds"])
+    for k in (1, 2):
+        rows = [json.loads(line) for line in (out / "opd" / f"round-{k:03d}" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2]
+    # round 1 starts from train/final (its first loss is a trained draft's), round 2 from round 1's draft
+    first = json.loads((out / "opd" / "round-001" / "DONE.json").read_text())["first"]["loss"]
+    assert first < json.loads((out / "train" / "DONE.json").read_text())["first"]["loss"]
+    assert json.loads((out / "opd" / "round-002" / "settings.json").read_text())["init_from_sha256"] == draft_digest(
+        out / "opd" / "round-001" / "final")
+    # eval and export read the distilled draft (and the trained one without opd rounds)
+    recipe = load_recipe("dspark_qwen3_8b", ["opd.rounds=2"])
+    assert final_draft(recipe, out) == out / "opd" / "final"
+    assert final_draft(load_recipe("dspark_qwen3_8b"), out) == out / "train" / "final"
+    exported = load_file(str(out / "export" / "sglang" / "model.safetensors"))
+    distilled = load_file(str(out / "opd" / "final" / "model.safetensors"))
+    trained = load_file(str(out / "train" / "final" / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], distilled["fc.weight"])
+    assert not torch.equal(distilled["fc.weight"], trained["fc.weight"])
+    # a second run finds every stage complete
+    again = run_cli(args)
+    assert again.returncode == 0 and "opd is complete; skipping" in again.stdout.replace(str(out / "opd"), "opd")
+
+
+def test_opd_refuses_sampled_answers(greedy_run, tiny_qwen3, prompt_file, tmp_path):
+    out = copy_run(greedy_run, "dspark", tmp_path / "run")
+    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="opd",
+                              **{"opd.rounds": 1, "regen.temperature": 0.7}))
+    assert done.returncode != 0 and "regen.temperature" in done.stderr

@@ -1,0 +1,123 @@
+"""The `opd` stage: on-policy distillation of the trained drafter (Draft-OPD), rounds of rollout and update.
+
+    torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --set opd.rounds=3
+
+Supervised training sees anchors drawn uniformly over the target's answers; in speculative decoding a drafter drafts
+from where its own previous round ended, i.e. right after verification rejected one of its drafts. Each round:
+  1. rollout: the current drafter drafts along training answers with the target verifying, greedily (T=0). With
+     greedy regeneration the target's rollout of a training prompt IS its regenerated answer, so the rounds are
+     replayed from one drafter pass per answer (train/rollout.py; equal to the real loop's rounds, a tested fact);
+     the bar shows the rollout tau;
+  2. update: opd.steps_per_round steps (lr opd.lr, cosine within the round) of the same Trainer and the family's own loss (CE/TV/confidence for DSpark and DFlash, TTT for Eagle3),
+     started from the current drafter, trained only at the rounds' starts: the verified prefixes where the
+     previous draft was rejected, with the target's next tokens (its distribution, via the frozen head) as labels.
+Rollouts use training conversations only, never eval prompts. Each round is a train run of its own under
+OUT/opd/round-NNN (checkpointed and resumable like the train stage); OUT/opd/final is the last round's draft, which
+eval and export read when opd.rounds > 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from core import stage
+from core.dist import Dist
+from core.io import publish_dir
+from modeling.registry import draft_digest, load_draft_model
+from train.rollout import answer_span, draft_matches, replay_rounds
+from train.trainer import run_train
+
+
+def draft_gamma(recipe) -> int:
+    """Tokens a round drafts: the block size, or Eagle3's TTT length."""
+    return recipe.draft.ttt_length if recipe.family == "eagle3" else recipe.draft.block_size
+
+
+class RolloutRecords:
+    """The records one round rolled out, each with `rollout_starts` (its replayed rounds' pending positions): the
+    train/algorithms.py families anchor (or, Eagle3, supervise) only there. Same interface as the cache."""
+
+    def __init__(self, records, indices: list[int], starts: list[torch.Tensor]):
+        self.records, self.indices, self.starts = records, indices, starts
+        digest = hashlib.sha256(str(records.manifest.get("index_sha256")).encode())
+        for index, s in zip(indices, starts):
+            digest.update(f"{index}:{s.tolist()}".encode())
+        self.manifest = {**records.manifest, "index_sha256": f"opd:{digest.hexdigest()}"}
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        return {**self.records[self.indices[i]], "rollout_starts": self.starts[i]}
+
+    def with_hidden(self, records: list[dict]) -> list[dict]:
+        return self.records.with_hidden(records)
+
+
+def rollout(draft, records, indices: list[int], gamma: int) -> tuple[list[torch.Tensor], list[int], float]:
+    """Replayed greedy rounds over each record's first answer: (round starts per record, accepted per round, tau)."""
+    starts, accepted = [], []
+    for index in indices:
+        record = records.with_hidden([records[index]])[0]
+        first, end = answer_span(record)
+        rounds = replay_rounds(draft_matches(draft, record, gamma), first, end, gamma)
+        starts.append(torch.tensor([r.pending for r in rounds], dtype=torch.long))
+        accepted += [r.accepted for r in rounds]
+    tau = sum(a + 1 for a in accepted) / max(len(accepted), 1)
+    return starts, accepted, tau
+
+
+def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_target) -> dict:
+    """The `opd` stage on the training records (a TargetCache or OnlineRecords), from the train stage's draft."""
+    out_dir, opd = Path(out_dir), recipe.opd
+    if recipe.regen.temperature != 0:
+        raise ValueError(f"opd replays greedy rollouts, which are the regenerated answers only when they are greedy: "
+                         f"regen.temperature is {recipe.regen.temperature}; set it to 0 (and regenerate) or opd.rounds=0")
+    if not (Path(train_final) / "model.safetensors").is_file():
+        raise RuntimeError(f"{train_final} holds no trained draft: run the train stage first (--stages train,opd)")
+    settings = {"opd": dataclasses.asdict(opd), "start_draft_sha256": draft_digest(train_final),
+                "data": records.manifest.get("index_sha256")}
+    done = stage.start(out_dir, settings, "opd", dist.is_main)
+    if done is not None:
+        return done
+    gamma = draft_gamma(recipe)
+    round_recipe = dataclasses.replace(recipe, train=dataclasses.replace(
+        recipe.train, max_steps=opd.steps_per_round, lr=opd.lr, warmup_ratio=0.0, save_every=opd.steps_per_round,
+        keep_checkpoints=1))
+    draft_dir, history = Path(train_final), []
+    bar = tqdm(total=opd.rounds, desc="opd", unit="round", disable=not dist.is_main)
+    for k in range(1, opd.rounds + 1):
+        order = torch.randperm(len(records), generator=torch.Generator().manual_seed(recipe.seed * 1_000_003 + k))
+        indices = order[: min(opd.rollout_records, len(records))].tolist()
+        draft = load_draft_model(draft_dir, get_target(), dtype=torch.float32)
+        starts, accepted, tau = rollout(draft, records, indices, gamma)
+        bar.set_postfix(rollout_tau=f"{tau:.3f}")
+        dist.print(f"[opd] round {k}/{opd.rounds}: rollout tau {tau:.3f} over {len(accepted)} rounds of "
+                   f"{len(indices)} training conversations")
+        round_dir = out_dir / f"round-{k:03d}"
+        run_train(round_recipe, RolloutRecords(records, indices, starts), round_dir, dist, get_target,
+                  init_from=draft_dir)
+        history.append({"round": k, "rollout_tau": tau, "rollout_rounds": len(accepted),
+                        "last_loss": stage.read_done(round_dir)["last"].get("loss")})
+        draft_dir = round_dir / "final"
+        bar.update(1)
+    bar.close()
+    # the last update's effect, on the sample the next round would roll out
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(recipe.seed * 1_000_003 + k + 1))
+    _, accepted, tau = rollout(load_draft_model(draft_dir, get_target(), dtype=torch.float32), records,
+                               order[: min(opd.rollout_records, len(records))].tolist(), gamma)
+    history.append({"round": opd.rounds + 1, "rollout_tau": tau, "rollout_rounds": len(accepted)})
+    stats = {"rounds": history, "final": str(out_dir / "final")}
+    if dist.is_main:
+        with publish_dir(out_dir / "final") as tmp:
+            shutil.copytree(draft_dir, tmp, dirs_exist_ok=True)
+        stage.mark_done(out_dir, stats)
+        print("[opd] done: rollout tau " + " -> ".join(f"{h['rollout_tau']:.3f}" for h in history), flush=True)
+    dist.barrier()
+    return stats
