@@ -164,6 +164,30 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
+                 nproc: int, log: Path):
+    """Regenerate + cache the training prompts (ShareGPT, + GSM8K train) and the held-out eval prompts (MT-bench,
+    HumanEval, + GSM8K test; greedy answers, to replay held-out tau). Returns (train run, eval run, eval prompt file,
+    eval source names, training sources, training data seconds)."""
+    # --- 1. training data, once -----------------------------------------------------------------------------------
+    sources = "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
+                                                   f"weight: 1.0}}" if gsm8k else "") + "]"
+    data_run = out / "train-data"
+    data_s = run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", nproc,
+                          sets(data__sources=sources, data__num_prompts=train_prompts), log)
+
+    # --- 2. held-out prompts and their greedy answers ---------------------------------------------------------------
+    eval_file = out / "eval_prompts.jsonl"
+    eval_sources = write_eval_prompts(eval_file, eval_per_source, gsm8k, seed=0)
+    num_eval = len(eval_file.read_text().splitlines())
+    eval_run = out / "eval-data"
+    run_pipeline("dspark_smollm2_135m", eval_run, "regenerate,cache", nproc,
+                 sets(data__sources=f"[{{name: '{eval_file}'}}]", data__num_prompts=num_eval, data__holdout_fraction=0.0,
+                      data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
+                      regen__max_new_tokens=max_new_tokens), log)
+    return data_run, eval_run, eval_file, eval_sources, sources, data_s
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -196,22 +220,8 @@ def main() -> int:
     log = out / "pipeline.log"
     extra_sets = [arg for item in args.overrides for arg in ("--set", item)]
 
-    # --- 1. training data, once -----------------------------------------------------------------------------------
-    sources = "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{args.gsm8k / 'train.jsonl'}', "
-                                                   f"weight: 1.0}}" if args.gsm8k else "") + "]"
-    data_run = out / "train-data"
-    data_s = run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", args.nproc,
-                          sets(data__sources=sources, data__num_prompts=args.train_prompts), log)
-
-    # --- 2. held-out prompts and their greedy answers ---------------------------------------------------------------
-    eval_file = out / "eval_prompts.jsonl"
-    eval_sources = write_eval_prompts(eval_file, args.eval_per_source, args.gsm8k, seed=0)
-    num_eval = len(eval_file.read_text().splitlines())
-    eval_run = out / "eval-data"
-    run_pipeline("dspark_smollm2_135m", eval_run, "regenerate,cache", args.nproc,
-                 sets(data__sources=f"[{{name: '{eval_file}'}}]", data__num_prompts=num_eval, data__holdout_fraction=0.0,
-                      data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
-                      regen__max_new_tokens=args.max_new_tokens), log)
+    data_run, eval_run, eval_file, eval_sources, sources, data_s = prepare_data(
+        out, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log)
 
     import torch
 

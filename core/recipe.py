@@ -161,7 +161,7 @@ class TrainConfig:
     fused_optimizer: bool = False
     #: 0 = plain DDP; 1 or 2 = DeepSpeed ZeRO stage (3 is refused: see _check_values).
     zero_stage: int = 0
-    #: auto = bf16 on GPU, fp32 on CPU; bf16 on a CPU autocasts over fp32 weights (fast where the CPU has bf16
+    #: auto = bf16 on GPU and on CPUs with bf16 matrix units, else fp32; bf16 on a CPU autocasts over fp32 weights (fast where the CPU has bf16
     #: matrix units, e.g. AMX), fp32 everywhere is the bit-exact reference.
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     #: cache = read the cache stage's hidden states; online = run the frozen target on each step's rows in the training

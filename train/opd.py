@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -95,15 +96,17 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
     for k in range(1, opd.rounds + 1):
         order = torch.randperm(len(records), generator=torch.Generator().manual_seed(recipe.seed * 1_000_003 + k))
         indices = order[: min(opd.rollout_records, len(records))].tolist()
+        t0 = time.perf_counter()
         draft = load_draft_model(draft_dir, get_target(), dtype=torch.float32)
         starts, accepted, tau = rollout(draft, records, indices, gamma)
+        rollout_s = time.perf_counter() - t0
         bar.set_postfix(rollout_tau=f"{tau:.3f}")
         dist.print(f"[opd] round {k}/{opd.rounds}: rollout tau {tau:.3f} over {len(accepted)} rounds of "
                    f"{len(indices)} training conversations")
         round_dir = out_dir / f"round-{k:03d}"
         run_train(round_recipe, RolloutRecords(records, indices, starts), round_dir, dist, get_target,
                   init_from=draft_dir)
-        history.append({"round": k, "rollout_tau": tau, "rollout_rounds": len(accepted),
+        history.append({"round": k, "rollout_tau": tau, "rollout_rounds": len(accepted), "rollout_s": rollout_s,
                         "last_loss": stage.read_done(round_dir)["last"].get("loss")})
         draft_dir = round_dir / "final"
         bar.update(1)
