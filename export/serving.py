@@ -208,20 +208,13 @@ class SpsTable:
         object.__setattr__(self, "max_batch_tokens", int(m))
 
     def sps(self, batch_tokens: int) -> float:
-        """Steps/second at B tokens: linear between samples, flat outside them, ValueError beyond max_batch_tokens."""
-        b = batch_tokens
-        if b < 1:
-            raise ValueError(f"a verify batch has at least 1 token, got {b}")
-        if b > self.max_batch_tokens:
-            raise ValueError(f"batch of {b} tokens exceeds the table's max_batch_tokens={self.max_batch_tokens}")
-        xs, ys = self.batch_tokens, self.steps_per_sec
-        if b <= xs[0]:
-            return ys[0]
-        if b >= xs[-1]:
-            return ys[-1]
-        i = bisect.bisect_right(xs, b)  # xs[i-1] <= b < xs[i]
-        w = (b - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+        """Steps/second at B tokens, exactly as SGLang's ``SpsCostTable.lookup`` reads the same file: the value of the
+        largest probe <= B (no interpolation), the first probe's value below it and the last probe's value past it
+        (also past ``max_batch_tokens``: SGLang's planner clamps, it never refuses a batch size)."""
+        if batch_tokens < 1:
+            raise ValueError(f"a verify batch has at least 1 token, got {batch_tokens}")
+        index = bisect.bisect_right(self.batch_tokens, batch_tokens) - 1
+        return self.steps_per_sec[min(max(index, 0), len(self.batch_tokens) - 1)]
 
     def to_json(self) -> dict:
         return {"sample_batch_tokens": list(self.batch_tokens), "sample_steps_per_sec": list(self.steps_per_sec),
