@@ -130,6 +130,33 @@ def _check_serving_support(cfg: dict, algorithm: str, target: str) -> None:
                              "only as DFLASH, which needs the 1+N layout (sample_from_anchor=False)")
     if algorithm == "dflash":
         _require(cfg, "mask_token_id", "block_size")
+    if algorithm == "dspark" and target == "vllm":
+        head = cfg.get("markov_head_type", "vanilla")
+        if head != "vanilla":
+            raise ValueError(f"cannot export to vLLM: markov_head_type={head!r}, and vLLM 0.32's DSpark drafter has "
+                             "only the vanilla Markov head (it would load the weights it knows and silently draft "
+                             f"without the {head} part). Serve this draft with SGLang (--to sglang), or train with "
+                             "draft.markov_head_type: vanilla for vLLM")
+    _check_aux_layers(cfg, algorithm)
+
+
+def _check_aux_layers(cfg: dict, algorithm: str) -> None:
+    """Refuse a captured layer equal to the target's last decoder layer. Both engines capture HF layer-output id k
+    as the input of layer k+1, and there is no layer L for k = L-1: SGLang and vLLM never fill that slot, and
+    speculators' DFlash converter drops it as the verifier's final state, so fc would read the wrong width."""
+    if algorithm == "eagle3":
+        ids, key = _eagle3_layer_ids(cfg), "eagle_config.eagle_aux_hidden_state_layer_ids"
+    else:
+        ids, key = _block_layer_ids(cfg), "target_layer_ids"
+    num_target_layers = cfg.get("num_target_layers")
+    if num_target_layers is None:  # older Eagle3 drafts do not record it: nothing to check against
+        return
+    last = int(num_target_layers) - 1
+    if last in ids:
+        raise ValueError(f"cannot export: {key} {ids} includes {last}, the target's last decoder layer (it has "
+                         f"{num_target_layers}). Serving engines capture layer k as the input of layer k+1, which "
+                         f"does not exist for the last layer, so the draft would get {len(ids) - 1} of its "
+                         f"{len(ids)} context features. Retrain with target.layer_ids below {last}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -188,6 +215,12 @@ def _vllm_layer_ids(hf_output_ids: list[int]) -> list[int]:
     return [i + 1 for i in hf_output_ids]
 
 
+def block_length_of(cfg: dict) -> int:
+    """Slots per block of a block draft's config.json: gamma anchor-first, gamma + 1 in the 1+N layout."""
+    gamma = int(cfg["block_size"])
+    return gamma if cfg.get("sample_from_anchor", True) else gamma + 1
+
+
 def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
     """A speculators-format config.json (vLLM reads `speculators_config` + `transformer_layer_config`)."""
     if algorithm == "eagle3":
@@ -210,7 +243,9 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
         out = {"architectures": [name], "speculators_model_type": algorithm, "transformer_layer_config": layer,
                "draft_vocab_size": int(cfg["vocab_size"]),
                "aux_hidden_state_layer_ids": _vllm_layer_ids(_block_layer_ids(cfg)),
-               "block_size": int(cfg["block_size"]), "mask_token_id": int(cfg["mask_token_id"]),
+               # speculators' block_size is the block's slot count: gamma anchor-first, gamma+1 in the 1+N layout
+               # (it drafts block_size - 1 tokens there, and its own DFlash converter writes gamma+1).
+               "block_size": block_length_of(cfg), "mask_token_id": int(cfg["mask_token_id"]),
                "sample_from_anchor": bool(cfg.get("sample_from_anchor", True))}
         if algorithm == "dspark":
             out.update(markov_rank=rank, markov_head_type=cfg.get("markov_head_type", "vanilla"),

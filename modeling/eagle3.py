@@ -98,6 +98,7 @@ def build_eagle3_config(
         target_hidden_size=text.hidden_size,
         eagle_config={"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True},
         ttt_length=ttt_length,
+        num_target_layers=num_target_layers,  # lets the export refuse the last layer, which engines cannot capture
     )
 
 
