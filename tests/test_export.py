@@ -137,6 +137,37 @@ def test_sts_copied_for_dspark(tmp_path):
     _no_leftovers(tmp_path / "out-bad")
 
 
+def test_sps_table_shipped_and_serve_command_uses_it(tmp_path):
+    """A DSpark export ships the SPS table beside sts.json, and the printed SGLang command turns on what both need:
+    the ragged-verify mode (SGLang's default `static` builds no confidence head and ignores both files) plus the two
+    paths. A draft without a confidence head gets neither (SGLang's `compact` mode refuses such a draft)."""
+    from export.serving import SpsTable, serve_command
+
+    ckpt = make_block_draft(tmp_path / "d", markov_rank=4, confidence=True)
+    (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.1, 1.2, 1.3]}))
+    SpsTable((1, 8), (100.0, 60.0), 64).save(ckpt / "sps_table.json")
+    out = export_draft(ckpt, "sglang", tmp_path / "out")
+    assert json.loads((out / "sps_table.json").read_text())["sample_steps_per_sec"] == [100.0, 60.0]
+    command = serve_command(ckpt, "sglang", out, "some/target")
+    assert command.startswith("SGLANG_RAGGED_VERIFY_MODE=compact python -m sglang.launch_server ")
+    assert f"--speculative-dspark-confidence-sts-path {out / 'sts.json'}" in command
+    assert f"--speculative-dspark-sps-table-path {out / 'sps_table.json'}" in command
+
+    bad = tmp_path / "bad-sps.json"
+    bad.write_text(json.dumps({"sample_batch_tokens": [8, 1], "sample_steps_per_sec": [1.0, 2.0],
+                               "max_batch_tokens": 8}))
+    with pytest.raises(ValueError, match=r"bad-sps\.json.*ascending"):
+        export_draft(ckpt, "sglang", tmp_path / "out-bad", sps_path=bad)
+    _no_leftovers(tmp_path / "out-bad")
+
+    plain = make_block_draft(tmp_path / "plain", markov_rank=4, confidence=False)
+    SpsTable((1, 8), (100.0, 60.0), 64).save(plain / "sps_table.json")
+    plain_out = export_draft(plain, "sglang", tmp_path / "plain-out")
+    command = serve_command(plain, "sglang", plain_out, "some/target")
+    assert command.startswith("python -m sglang.launch_server ") and "--speculative-algorithm DSPARK" in command
+    assert "sps-table" not in command and "RAGGED" not in command
+
+
 @pytest.mark.parametrize("edit,needle", [
     (lambda s: s.pop("fc.weight"), "'fc.weight'"),
     (lambda s: s.__setitem__("norm.weight", torch.ones(HIDDEN + 1)), "'norm.weight'"),
