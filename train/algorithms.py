@@ -229,7 +229,10 @@ class Eagle3Algorithm:
         batch = pad_records(records, device)
         valid = ttt_valid_mask(batch["loss_mask"], batch["attention_mask"], recipe.draft.ttt_length)
         batch["step_valid"] = list(valid)
-        batch["weight_sum"] = eagle3_weight_sum(valid, recipe.loss.step_loss_decay)
+        if recipe.loss.eagle3_loss_norm == "positions":  # DeepSpec: every step's sum over the batch's tokens
+            batch["weight_sum"] = float(batch["attention_mask"].sum())
+        else:
+            batch["weight_sum"] = eagle3_weight_sum(valid, recipe.loss.step_loss_decay)
         return batch
 
     @staticmethod
