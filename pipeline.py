@@ -31,7 +31,7 @@ from data.online import OnlineRecords
 from data.regenerate import run_regenerate
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
-from export.serving import STS_FILENAME
+from export.serving import SPS_FILENAME, STS_FILENAME
 from modeling.target import load_target, load_tokenizer, target_hidden_size
 from train.opd import run_opd
 from train.trainer import run_train
@@ -139,9 +139,9 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             dist.barrier()
         elif name == "export":
             if dist.is_main:
-                sts = out / "eval" / STS_FILENAME
+                sts, sps = out / "eval" / STS_FILENAME, out / "eval" / SPS_FILENAME
                 done = run_export_stage(final_draft(recipe, out), out / "export", recipe.target.name_or_path,
-                                        sts if sts.is_file() else None)
+                                        sts if sts.is_file() else None, sps if sps.is_file() else None)
                 print(f"[export] SGLang checkpoint: {done['path']}\n[export] serve it (GPU) with: {done['command']}",
                       flush=True)
             dist.barrier()

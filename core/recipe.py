@@ -54,6 +54,9 @@ class SourceConfig:
 class DataConfig:
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     num_prompts: int = 100_000
+    #: false = a recipe asking for more prompts than its sources hold is refused before regeneration; true = it
+    #: trains on what the sources hold (with a warning).
+    allow_fewer: bool = False
     holdout_fraction: float = 0.05
     max_length: int = 4096
     #: None keeps the chat template's own default system prompt (training and eval alike).
@@ -140,6 +143,11 @@ class LossConfig:
     accept_stats: bool = True
     #: Eagle3 per-TTT-step decay.
     step_loss_decay: float = 0.8
+    #: Eagle3 loss denominator. valid_tokens = sum_k decay^k x (valid positions of step k) over the global batch (a
+    #: token mean: late steps, with fewer valid positions, weigh as much per token as early ones); positions =
+    #: DeepSpec's choice: the batch's token count, the same for every step (its code notes the token mean hurt
+    #: accept length).
+    eagle3_loss_norm: Literal["valid_tokens", "positions"] = "valid_tokens"
     #: recompute each chunk of vocabulary-sized tensors in the backward instead of keeping it (GPU memory); false is
     #: faster where memory is plenty (small drafters on a CPU).
     checkpoint: bool = True
@@ -375,8 +383,6 @@ def _check_values(recipe: Recipe) -> None:
         problems.append("target.layer_ids must list at least one layer")
     if len(set(recipe.target.layer_ids)) != len(recipe.target.layer_ids):
         problems.append(f"target.layer_ids has duplicates: {recipe.target.layer_ids}")
-    if recipe.family == "eagle3" and len(recipe.target.layer_ids) != 3:
-        problems.append(f"target.layer_ids: eagle3 reads 3 auxiliary layers, got {recipe.target.layer_ids}")
     if recipe.regen.backend == "openai" and not recipe.regen.server_urls:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
     non_negative = {"draft.markov_rank": recipe.draft.markov_rank,

@@ -123,6 +123,7 @@ def load_prompts(
     holdout_fraction: float,
     seed: int,
     split: str = "train",
+    allow_fewer: bool = True,
 ) -> list[Prompt]:
     """Mix prompts from several sources by weight; deterministic for the same inputs.
 
@@ -132,7 +133,10 @@ def load_prompts(
     A prompt is held out iff ``is_holdout(id, holdout_fraction, seed)``; ``split`` selects
     ``"train"`` or ``"holdout"`` prompts.  Each source gives
     ``round(num_prompts * w / sum(w))`` prompts (total exactly ``num_prompts``); a source
-    that runs short gives what it has, with a warning.  Shuffled with ``random.Random(seed)``.
+    that runs short gives what it has, with a warning, or, with ``allow_fewer=False``, the
+    call raises ValueError naming every short source (a recipe asking for more data than
+    its sources hold is refused before anything is regenerated).  Shuffled with
+    ``random.Random(seed)``.
     """
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
@@ -157,11 +161,14 @@ def load_prompts(
     want_holdout = split == "holdout"
     seen: set = set()
     out: list[Prompt] = []
+    short: list[str] = []
     for spec, (name, _, _, ds_split), quota in zip(specs, fields, quotas):
         if quota == 0:
             continue
         got = _select(spec, ds_split, quota, holdout_fraction, seed, want_holdout, seen)
-        if len(got) < quota:
+        if len(got) < quota and not allow_fewer:
+            short.append(f"{name!r} holds {len(got)} {split} prompts for its share of {quota}")
+        elif len(got) < quota:
             warnings.warn(
                 f"prompt source {name!r} has only {len(got)} {split} prompts (after dedup, "
                 f"holdout_fraction={holdout_fraction}) for its share of {quota}; using all of "
@@ -170,6 +177,11 @@ def load_prompts(
                 stacklevel=2,
             )
         out.extend(got)
+    if short:
+        raise ValueError(
+            f"asked for {num_prompts} prompts, but " + "; ".join(short)
+            + f" (after dedup, holdout_fraction={holdout_fraction}). Add or reweight sources, lower "
+            "data.num_prompts, or set data.allow_fewer: true to train on what there is")
     random.Random(seed).shuffle(out)
     return out
 

@@ -150,7 +150,9 @@ def regen_settings(recipe) -> dict:
     """The recipe keys a regeneration folder depends on."""
     from dataclasses import asdict
 
-    return {"target": recipe.target.name_or_path, "seed": recipe.seed, "data": asdict(recipe.data),
+    # allow_fewer only decides whether a short source is an error: the prompts (and runs made before it) are the same
+    data = {k: v for k, v in asdict(recipe.data).items() if k != "allow_fewer"}
+    return {"target": recipe.target.name_or_path, "seed": recipe.seed, "data": data,
             "regen": {k: v for k, v in asdict(recipe.regen).items()
                       if k not in ("server_urls", "max_concurrency", "request_timeout_s")}}
 
@@ -209,11 +211,14 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
     """The `regenerate` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
     out_dir = Path(out_dir)
     settings = regen_settings(recipe)
+    prompts = None
+    if not stage.is_done(out_dir):  # before the folder is pinned: a recipe its sources cannot fill is refused here
+        prompts = load_prompts(recipe.data.sources, recipe.data.num_prompts, recipe.data.holdout_fraction,
+                               recipe.seed, allow_fewer=recipe.data.allow_fewer)
     done = stage.start(out_dir, settings, "regenerate", dist.is_main)
     if done is not None:
         return done
 
-    prompts = load_prompts(recipe.data.sources, recipe.data.num_prompts, recipe.data.holdout_fraction, recipe.seed)
     # A batch is left-padded to its longest prompt, and on a CPU the prefill of the padded prompts costs more than the
     # answers: batch prompts of similar length (first turn, as rendered) so that little is spent on padding.
     prompts = sorted(prompts, key=lambda p: (_first_turn_length(p, recipe, tokenizer), p.id))

@@ -43,7 +43,7 @@ from data.prompts import eval_prompts
 from eval.run import acceptance_metrics, first_turn_ids
 from eval.spec_decode import load_draft, speculative_generate
 from export.convert import export_draft
-from export.serving import ENGINES, detect_algorithm, sglang_command, vllm_command
+from export.serving import ENGINES, detect_algorithm, sglang_command, sglang_env, sglang_serving_files, vllm_command
 from modeling.registry import read_config
 from modeling.target import load_target, load_tokenizer, resolve_target
 
@@ -453,10 +453,11 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         generate = vllm_generate
     else:
-        sts = served / "sts.json"
+        served_cfg = read_config(draft_dir)
+        sts, sps = sglang_serving_files(served_cfg, algorithm, served)
         argv = sglang_command(python, target_path, served, algorithm, gamma, port, dtype=dtype or "auto",
-                              sts_path=sts if sts.is_file() else None, extra=server_args)
-        env, generate = {}, sglang_generate
+                              sts_path=sts, sps_path=sps, extra=server_args)
+        env, generate = sglang_env(served_cfg, algorithm), sglang_generate
 
     live_outputs, per_request = [], []
     start = time.monotonic()

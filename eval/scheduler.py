@@ -10,10 +10,10 @@ second at B tokens, profiled once (``profile_sps``) and stored in SGLang's ``Sps
 
     {"sample_batch_tokens": [1, 8, 64, ...], "sample_steps_per_sec": [...], "max_batch_tokens": 512}
 
-``SpsTable.sps(B)`` interpolates linearly in steps/second between samples and holds the end values flat outside
-them (below the first sample: no cheaper than the smallest measured batch; between the last sample and
-``max_batch_tokens``: no slower than the largest one). B > ``max_batch_tokens`` is an error: the table says nothing
-there, and the engine cannot verify it. ``schedule_batch`` treats ``max_batch_tokens`` as a hard capacity.
+``SpsTable.sps(B)`` reads the table the way SGLang's planner does (``SpsCostTable.lookup``): the value of the
+largest sample <= B, the first sample's value below the first, the last sample's value past the last (no
+interpolation), so the simulated decisions are the ones SGLang makes from the same file. ``schedule_batch`` still
+treats ``max_batch_tokens`` as a hard capacity: the profile says nothing about larger batches.
 
 Lossless property. Speculative sampling stays exact only if the decision to verify draft x_{r,k} does not depend on
 x_{r,k} itself. c_{r,k} is computed from W1[x_{r,k-1}] (the Markov head sees the previous draft), so a_{r,k}
@@ -142,6 +142,9 @@ def fixed_gamma(survival, sps: SpsTable, gamma: int) -> Allocation:
     a = _check_survival(survival)
     lengths = [min(int(gamma), x.size) for x in a]
     b = sum(1 + n for n in lengths)
+    if b > sps.max_batch_tokens:  # the same capacity schedule_batch respects (sps(B) itself clamps, like SGLang)
+        raise ValueError(f"fixed gamma={gamma} needs {b} verify tokens, more than max_batch_tokens="
+                         f"{sps.max_batch_tokens}")
     tau = float(sum(1.0 + float(x[:n].sum()) for x, n in zip(a, lengths)))
     theta = tau * sps.sps(b) if a else 0.0
     admitted = [(r, j) for r, n in enumerate(lengths) for j in range(1, n + 1)]

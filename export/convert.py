@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from core import stage
 from core.io import publish_dir, sha256_file
-from export.serving import ALGORITHMS, ENGINES, STS_FILENAME, detect_algorithm, load_sts, serve_command
+from export.serving import (ALGORITHMS, ENGINES, SPS_FILENAME, STS_FILENAME, SpsTable, detect_algorithm, load_sts,
+                            serve_command)
 from modeling.registry import CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config
 from modeling.target import resolve_target
 
@@ -130,6 +131,33 @@ def _check_serving_support(cfg: dict, algorithm: str, target: str) -> None:
                              "only as DFLASH, which needs the 1+N layout (sample_from_anchor=False)")
     if algorithm == "dflash":
         _require(cfg, "mask_token_id", "block_size")
+    if algorithm == "dspark" and target == "vllm":
+        head = cfg.get("markov_head_type", "vanilla")
+        if head != "vanilla":
+            raise ValueError(f"cannot export to vLLM: markov_head_type={head!r}, and vLLM 0.32's DSpark drafter has "
+                             "only the vanilla Markov head (it would load the weights it knows and silently draft "
+                             f"without the {head} part). Serve this draft with SGLang (--to sglang), or train with "
+                             "draft.markov_head_type: vanilla for vLLM")
+    _check_aux_layers(cfg, algorithm)
+
+
+def _check_aux_layers(cfg: dict, algorithm: str) -> None:
+    """Refuse a captured layer equal to the target's last decoder layer. Both engines capture HF layer-output id k
+    as the input of layer k+1, and there is no layer L for k = L-1: SGLang and vLLM never fill that slot, and
+    speculators' DFlash converter drops it as the verifier's final state, so fc would read the wrong width."""
+    if algorithm == "eagle3":
+        ids, key = _eagle3_layer_ids(cfg), "eagle_config.eagle_aux_hidden_state_layer_ids"
+    else:
+        ids, key = _block_layer_ids(cfg), "target_layer_ids"
+    num_target_layers = cfg.get("num_target_layers")
+    if num_target_layers is None:  # older Eagle3 drafts do not record it: nothing to check against
+        return
+    last = int(num_target_layers) - 1
+    if last in ids:
+        raise ValueError(f"cannot export: {key} {ids} includes {last}, the target's last decoder layer (it has "
+                         f"{num_target_layers}). Serving engines capture layer k as the input of layer k+1, which "
+                         f"does not exist for the last layer, so the draft would get {len(ids) - 1} of its "
+                         f"{len(ids)} context features. Retrain with target.layer_ids below {last}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -188,6 +216,12 @@ def _vllm_layer_ids(hf_output_ids: list[int]) -> list[int]:
     return [i + 1 for i in hf_output_ids]
 
 
+def block_length_of(cfg: dict) -> int:
+    """Slots per block of a block draft's config.json: gamma anchor-first, gamma + 1 in the 1+N layout."""
+    gamma = int(cfg["block_size"])
+    return gamma if cfg.get("sample_from_anchor", True) else gamma + 1
+
+
 def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
     """A speculators-format config.json (vLLM reads `speculators_config` + `transformer_layer_config`)."""
     if algorithm == "eagle3":
@@ -210,7 +244,9 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
         out = {"architectures": [name], "speculators_model_type": algorithm, "transformer_layer_config": layer,
                "draft_vocab_size": int(cfg["vocab_size"]),
                "aux_hidden_state_layer_ids": _vllm_layer_ids(_block_layer_ids(cfg)),
-               "block_size": int(cfg["block_size"]), "mask_token_id": int(cfg["mask_token_id"]),
+               # speculators' block_size is the block's slot count: gamma anchor-first, gamma+1 in the 1+N layout
+               # (it drafts block_size - 1 tokens there, and its own DFlash converter writes gamma+1).
+               "block_size": block_length_of(cfg), "mask_token_id": int(cfg["mask_token_id"]),
                "sample_from_anchor": bool(cfg.get("sample_from_anchor", True))}
         if algorithm == "dspark":
             out.update(markov_rank=rank, markov_head_type=cfg.get("markov_head_type", "vanilla"),
@@ -269,13 +305,15 @@ def _check_eagle3_mapping(cfg: dict, state: dict[str, torch.Tensor]) -> None:
         raise ValueError("key 'd2t' disagrees with 't2d': arange(draft_vocab_size) + d2t must be the ids where t2d")
 
 
-def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = None, sts_path=None,
+def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = None, sts_path=None, sps_path=None,
                  verifier: str | None = None, overwrite: bool = False) -> Path:
     """Export a trained draft folder to `to` ("sglang" | "vllm") at `out_dir`; returns the output path.
 
     algorithm: None picks it from the config (see module docstring); "dflash"/"dspark"/"eagle3" forces one (and is
     refused when the draft cannot serve that way). sts_path: a DSpark confidence calibration JSON to copy as sts.json
-    (default: the checkpoint folder's sts.json when present). verifier: target model id written into vLLM's
+    (default: the checkpoint folder's sts.json when present). sps_path: the target's SPS cost table for SGLang's
+    DSpark verify scheduler, copied as sps_table.json (default: the checkpoint folder's sps_table.json when present).
+    verifier: target model id written into vLLM's
     speculators_config. Raises ValueError on any mismatch; `out_dir` is then left untouched.
     """
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
@@ -314,6 +352,11 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
         raise FileNotFoundError(f"sts file {sts} not found")
     if sts.is_file():
         load_sts(sts)  # the eval stage's own reader: refuses what SGLang would misread, naming the file
+    sps = Path(sps_path) if sps_path is not None else checkpoint_dir / SPS_FILENAME
+    if sps_path is not None and not sps.is_file():
+        raise FileNotFoundError(f"sps table {sps} not found")
+    if sps.is_file():
+        SpsTable.load(sps)  # same: a table SGLang's SpsCostTable would refuse or misread is refused here
 
     # overwrite: the old export is moved aside only once the new one is complete
     with publish_dir(out_dir, if_exists="replace" if overwrite else "error") as tmp:
@@ -321,21 +364,26 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         if sts.is_file() and algorithm == "dspark":
             shutil.copyfile(sts, tmp / STS_FILENAME)
+        if sps.is_file() and algorithm == "dspark":
+            shutil.copyfile(sps, tmp / SPS_FILENAME)
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
             if (checkpoint_dir / name).is_file():
                 shutil.copyfile(checkpoint_dir / name, tmp / name)
     return out_dir
 
 
-def run_export_stage(draft_dir: Path, export_dir: Path, target_name: str, sts_path: Path | None) -> dict:
+def run_export_stage(draft_dir: Path, export_dir: Path, target_name: str, sts_path: Path | None,
+                     sps_path: Path | None = None) -> dict:
     """The pipeline's `export` stage (rank 0): the SGLang checkpoint of the trained draft in export_dir/sglang, with
-    the eval's STS calibration beside a DSpark draft. Pinned to the draft's and the STS file's digests: a retrained
-    draft or a new calibration exports again. Returns {"path", "command"} (the command that serves it)."""
+    the eval's STS calibration and SPS table beside a DSpark draft. Pinned to the draft's and those files' digests: a
+    retrained draft or a new calibration exports again. Returns {"path", "command"} (the command that serves it)."""
     settings = {"draft_sha256": draft_digest(draft_dir), "target": target_name,
-                "sts_sha256": sha256_file(sts_path) if sts_path is not None else None}
+                "sts_sha256": sha256_file(sts_path) if sts_path is not None else None,
+                "sps_sha256": sha256_file(sps_path) if sps_path is not None else None}
     done = stage.start(export_dir, settings, "export", on_change="rerun")
     if done is None:
-        path = export_draft(draft_dir, "sglang", Path(export_dir) / "sglang", sts_path=sts_path, overwrite=True)
+        path = export_draft(draft_dir, "sglang", Path(export_dir) / "sglang", sts_path=sts_path, sps_path=sps_path,
+                            overwrite=True)
         done = {"path": str(path), "command": serve_command(draft_dir, "sglang", path, resolve_target(target_name))}
         stage.mark_done(export_dir, done)
     return done

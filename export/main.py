@@ -33,12 +33,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="force the serving algorithm (default: from the config; DFLASH only for 1+N drafts)")
     parser.add_argument("--sts", type=Path, default=None, help="DSpark confidence calibration JSON to ship as "
                         "sts.json (default: <checkpoint>/sts.json when present)")
+    parser.add_argument("--sps", type=Path, default=None, help="the target's SPS cost table (eval's "
+                        "sps_table.json) to ship for SGLang's DSpark verify scheduler (default: "
+                        "<checkpoint>/sps_table.json when present)")
     parser.add_argument("--verifier", default=None, help="target model id/path recorded in vLLM's speculators_config")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
     try:
         out = export_draft(args.checkpoint, args.to, args.out, algorithm=args.algorithm, sts_path=args.sts,
-                           verifier=args.verifier, overwrite=args.overwrite)
+                           sps_path=args.sps, verifier=args.verifier, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
         return 2

@@ -25,6 +25,13 @@ ENGINES = ("sglang", "vllm")
 ALGORITHMS = ("eagle3", "dflash", "dspark")
 SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "dflash": "DFLASH", "dspark": "DSPARK"}
 STS_FILENAME = "sts.json"
+SPS_FILENAME = "sps_table.json"
+# SGLang 0.5.23 builds a DSpark draft's confidence head, reads the STS file and runs the SPS-table verify scheduler
+# only when this env var is not `static` (its default). `compact` is the mode whose planner sizes each request's
+# verify length from confidence x SPS (`cap-accept` keeps a fixed verify width); see sglang/srt/speculative/
+# ragged_verify.py and dspark_components/dspark_planner.py in the wheel.
+RAGGED_VERIFY_ENV = "SGLANG_RAGGED_VERIFY_MODE"
+RAGGED_VERIFY_MODE = "compact"
 STS_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after")  # SGLang's DSparkStsCalibration
 SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  # SGLang's SpsCostTable
 
@@ -58,9 +65,11 @@ def vllm_command(python: str, target: str, draft_dir: Path, method: str, num_tok
 
 
 def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, num_tokens: int, port: int, *,
-                   dtype: str = "auto", sts_path: Path | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+                   dtype: str = "auto", sts_path: Path | None = None, sps_path: Path | None = None,
+                   extra: tuple[str, ...] = ()) -> list[str]:
     """`python -m sglang.launch_server` for an exported draft. DFLASH/DSPARK read their block size from the draft's
-    config; EAGLE3 is a chain of `num_tokens` steps (top-k 1)."""
+    config; EAGLE3 is a chain of `num_tokens` steps (top-k 1). The DSpark STS/SPS files only take effect with
+    `sglang_env`'s ragged-verify mode set in the server's environment."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", target, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--random-seed", "0", "--speculative-algorithm", SGLANG_ALGORITHMS[algorithm],
             "--speculative-draft-model-path", str(draft_dir)]
@@ -69,23 +78,44 @@ def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, nu
                  "--speculative-num-draft-tokens", str(num_tokens + 1)]
     if algorithm == "dspark" and sts_path is not None:
         argv += ["--speculative-dspark-confidence-sts-path", str(sts_path)]
+    if algorithm == "dspark" and sps_path is not None:
+        argv += ["--speculative-dspark-sps-table-path", str(sps_path)]
     return argv + list(extra)
 
 
+def sglang_env(cfg: dict, algorithm: str) -> dict[str, str]:
+    """Environment SGLang needs to serve everything a draft exports: the ragged-verify mode for a DSpark draft with a
+    confidence head (under the default `static` SGLang builds no confidence head, ignores the STS and SPS files and
+    verifies every draft). Empty otherwise: `compact` refuses a DSpark draft without a confidence head."""
+    if algorithm == "dspark" and cfg.get("enable_confidence_head"):
+        return {RAGGED_VERIFY_ENV: RAGGED_VERIFY_MODE}
+    return {}
+
+
+def sglang_serving_files(cfg: dict, algorithm: str, export_dir: Path) -> tuple[Path | None, Path | None]:
+    """(sts, sps) files of an export that SGLang should be given: those present, for a DSpark draft whose confidence
+    head SGLang builds (see `sglang_env`)."""
+    if not sglang_env(cfg, algorithm):
+        return None, None
+    sts, sps = Path(export_dir) / STS_FILENAME, Path(export_dir) / SPS_FILENAME
+    return (sts if sts.is_file() else None), (sps if sps.is_file() else None)
+
+
 def serve_command(checkpoint_dir, to: str, out_dir, target: str | None = None, algorithm: str | None = None) -> str:
-    """The command line that serves the export at `out_dir` (made from the trained draft in `checkpoint_dir`, as
-    `algorithm`: the one export_draft was given, None when it detected it)."""
+    """The shell command that serves the export at `out_dir` (made from the trained draft in `checkpoint_dir`, as
+    `algorithm`: the one export_draft was given, None when it detected it), environment assignments first."""
     cfg = read_config(checkpoint_dir)
     algorithm = algorithm or detect_algorithm(cfg)
     gamma = int(cfg.get("ttt_length", 7) if algorithm == "eagle3" else cfg["block_size"])
     target = target or "<target model path or id>"
+    env: dict[str, str] = {}
     if to == "vllm":
         argv = vllm_command("python", target, Path(out_dir), algorithm, gamma, 8000, dtype="auto")
     else:
-        sts = Path(out_dir) / STS_FILENAME
-        argv = sglang_command("python", target, Path(out_dir), algorithm, gamma, 30000,
-                              sts_path=sts if sts.is_file() else None)
-    return " ".join(shlex.quote(a) for a in argv)
+        env = sglang_env(cfg, algorithm)
+        sts, sps = sglang_serving_files(cfg, algorithm, Path(out_dir))
+        argv = sglang_command("python", target, Path(out_dir), algorithm, gamma, 30000, sts_path=sts, sps_path=sps)
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -208,20 +238,13 @@ class SpsTable:
         object.__setattr__(self, "max_batch_tokens", int(m))
 
     def sps(self, batch_tokens: int) -> float:
-        """Steps/second at B tokens: linear between samples, flat outside them, ValueError beyond max_batch_tokens."""
-        b = batch_tokens
-        if b < 1:
-            raise ValueError(f"a verify batch has at least 1 token, got {b}")
-        if b > self.max_batch_tokens:
-            raise ValueError(f"batch of {b} tokens exceeds the table's max_batch_tokens={self.max_batch_tokens}")
-        xs, ys = self.batch_tokens, self.steps_per_sec
-        if b <= xs[0]:
-            return ys[0]
-        if b >= xs[-1]:
-            return ys[-1]
-        i = bisect.bisect_right(xs, b)  # xs[i-1] <= b < xs[i]
-        w = (b - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+        """Steps/second at B tokens, exactly as SGLang's ``SpsCostTable.lookup`` reads the same file: the value of the
+        largest probe <= B (no interpolation), the first probe's value below it and the last probe's value past it
+        (also past ``max_batch_tokens``: SGLang's planner clamps, it never refuses a batch size)."""
+        if batch_tokens < 1:
+            raise ValueError(f"a verify batch has at least 1 token, got {batch_tokens}")
+        index = bisect.bisect_right(self.batch_tokens, batch_tokens) - 1
+        return self.steps_per_sec[min(max(index, 0), len(self.batch_tokens) - 1)]
 
     def to_json(self) -> dict:
         return {"sample_batch_tokens": list(self.batch_tokens), "sample_steps_per_sec": list(self.steps_per_sec),

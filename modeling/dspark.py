@@ -275,10 +275,12 @@ class MarkovHead(nn.Module):
     vanilla: bias_k = W2 e_k.
     gated:   g_k = sigmoid(gate_proj([h_k; e_k])) (r-wide, with bias), bias_k = W2 (g_k * e_k): the draft state decides
              per dimension how much of the bigram signal to trust.
-    rnn:     GRU-like state over the block, left to right, s_0 = 0:
-             [u; c; o] = joint_proj([s_{k-1}; e_k; h_k]) (3r-wide, with bias), z = sigmoid(u),
-             s_k = (1 - z) * s_{k-1} + z * tanh(c), bias_k = W2 tanh(o + s_k).
-             The state carries the whole drafted prefix, not only x_{k-1}; `o` reads the current inputs directly.
+    rnn:     paper Eq. 6, a gated recurrent state over the block, left to right, s_0 = 0:
+             [g; c; o] = joint_proj([s_{k-1}; e_k; h_k]) (3r-wide, with bias),
+             s_k = sigmoid(g) * s_{k-1} + (1 - sigmoid(g)) * tanh(c), bias_k = W2 tanh(o).
+             sigmoid(g) is the share of the old state kept. The bias of step k reads s_{k-1} only through `o`; the
+             new state s_k feeds step k+1. This is what SGLang's `RNNHead` (and DeepSpec, speculators) compute from
+             the same weights, so an exported rnn head drafts from the distribution it was trained on.
     In training prev_ids are the true tokens (teacher forcing); at inference the sampled drafts.
     """
 
@@ -302,10 +304,10 @@ class MarkovHead(nn.Module):
             state = e.new_zeros(e.shape[:-2] + (self.rank,))
             outputs = []
             for k in range(e.shape[-2]):
-                u, c, o = self.joint_proj(torch.cat([state, e[..., k, :], h[..., k, :]], dim=-1)).chunk(3, dim=-1)
-                z = torch.sigmoid(u)
-                state = (1 - z) * state + z * torch.tanh(c)
-                outputs.append(torch.tanh(o + state))
+                g, c, o = self.joint_proj(torch.cat([state, e[..., k, :], h[..., k, :]], dim=-1)).chunk(3, dim=-1)
+                keep = torch.sigmoid(g)
+                state = keep * state + (1 - keep) * torch.tanh(c)
+                outputs.append(torch.tanh(o))
             e = torch.stack(outputs, dim=-2)
         return self.markov_w2(e)
 

@@ -2,8 +2,9 @@
 
 What it is
     The draft head SGLang serves as `LlamaForCausalLMEagle3` (and vLLM as `eagle3`). At position t it reads the
-    concatenated hidden states of 3 target layers, h_t = fc([a_low; a_mid; a_high]_t) (H_target*3 -> H), plus the
-    embedding of the next token x_{t+1}, and predicts x_{t+2} over a pruned draft vocabulary. Parameter and config names
+    concatenated hidden states of K target layers (classically 3: low/mid/high; DeepSpec reads 5),
+    h_t = fc([a_1; ...; a_K]_t) (H_target*K -> H), plus the embedding of the next token x_{t+1}, and predicts x_{t+2}
+    over a pruned draft vocabulary. Parameter and config names
     are the serving names (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), so SGLang export is an identity map
     minus `embed_tokens` (SGLang takes the target's embedding).
 
@@ -98,6 +99,7 @@ def build_eagle3_config(
         target_hidden_size=text.hidden_size,
         eagle_config={"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True},
         ttt_length=ttt_length,
+        num_target_layers=num_target_layers,  # lets the export refuse the last layer, which engines cannot capture
     )
 
 

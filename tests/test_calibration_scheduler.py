@@ -170,15 +170,18 @@ def test_sts_file_validation(tmp_path):
 
 # --- SPS table ----------------------------------------------------------------------------------------------------
 
-def test_sps_interpolation_clamp_and_round_trip(tmp_path):
+def test_sps_lookup_floors_and_clamps_like_sglang_and_round_trips(tmp_path):
+    """SGLang's SpsCostTable.lookup takes the value of the largest probe <= B and clamps at both ends; interpolating
+    (as we did) gave 528 at B=31 where SGLang's planner uses 950."""
+    issue_table = SpsTable((8, 16, 32, 64), (1000.0, 950.0, 500.0, 480.0), 64)
+    assert issue_table.sps(31) == 950.0
+    assert [issue_table.sps(b) for b in (1, 8, 15, 16, 32, 63, 64)] == [1000.0, 1000.0, 1000.0, 950.0, 500.0,
+                                                                        500.0, 480.0]
     table = SpsTable((1, 4, 16), (100.0, 80.0, 20.0), 32)
-    assert table.sps(1) == 100.0
-    assert table.sps(2) == pytest.approx(100 - 20 / 3)
-    assert table.sps(10) == pytest.approx(50.0)
-    assert table.sps(16) == 20.0 and table.sps(20) == 20.0 and table.sps(32) == 20.0  # flat past the last sample
-    with pytest.raises(ValueError):
-        table.sps(33)
-    with pytest.raises(ValueError):
+    assert table.sps(1) == 100.0 and table.sps(3) == 100.0 and table.sps(4) == 80.0 and table.sps(10) == 80.0
+    assert table.sps(16) == 20.0 and table.sps(32) == 20.0
+    assert table.sps(33) == 20.0 and table.sps(10_000) == 20.0  # past max_batch_tokens: SGLang clamps, never raises
+    with pytest.raises(ValueError, match="at least 1 token"):
         table.sps(0)
     path = tmp_path / "sps.json"
     table.save(path)

@@ -43,9 +43,10 @@ def _target_config(kind: str = "qwen3"):
 
 
 def make_block_draft(path: Path, *, markov_rank: int, head_type: str = "vanilla", confidence: bool = False,
-                     sample_from_anchor: bool = True, gamma: int = 4, seed: int = 0) -> Path:
+                     sample_from_anchor: bool = True, gamma: int = 4, seed: int = 0,
+                     layer_ids: tuple[int, ...] = (0, 1, 2)) -> Path:
     torch.manual_seed(seed)
-    config = build_dspark_config(_target_config(), num_layers=2, block_size=gamma, target_layer_ids=[0, 2, 3],
+    config = build_dspark_config(_target_config(), num_layers=2, block_size=gamma, target_layer_ids=list(layer_ids),
                                  mask_token_id=5, markov_rank=markov_rank, markov_head_type=head_type,
                                  enable_confidence_head=confidence, sample_from_anchor=sample_from_anchor)
     model = DSparkModel(config)
@@ -56,10 +57,11 @@ def make_block_draft(path: Path, *, markov_rank: int, head_type: str = "vanilla"
     return path
 
 
-def make_eagle3_draft(path: Path, *, draft_vocab: int = 48, seed: int = 0) -> Path:
+def make_eagle3_draft(path: Path, *, draft_vocab: int = 48, seed: int = 0,
+                      layer_ids: tuple[int, ...] = (0, 1, 2)) -> Path:
     torch.manual_seed(seed)
     config = build_eagle3_config(_target_config("llama"), num_layers=1, draft_vocab_size=draft_vocab,
-                                 aux_layer_ids=[0, 1, 3], ttt_length=3)
+                                 aux_layer_ids=list(layer_ids), ttt_length=3)
     counts = torch.randint(0, 100, (VOCAB,))
     d2t, t2d = build_vocab_mapping(counts, draft_vocab)
     model = Eagle3Model(config, d2t, t2d)
@@ -96,7 +98,7 @@ def test_sglang_configs_and_keys(tmp_path):
     assert cfg["architectures"] == ["Qwen3DSparkModel"]
     assert (cfg["block_size"], cfg["markov_rank"], cfg["markov_head_type"], cfg["mask_token_id"]) == (4, 8, "vanilla", 5)
     assert cfg["sample_from_anchor"] is True and cfg["enable_confidence_head"] is True
-    assert cfg["dflash_config"] == {"target_layer_ids": [0, 2, 3], "mask_token_id": 5, "block_size": 4,
+    assert cfg["dflash_config"] == {"target_layer_ids": [0, 1, 2], "mask_token_id": 5, "block_size": 4,
                                     "num_target_layers": 4}
     keys = set(load_file(str(dspark / "model.safetensors")))
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "markov_head.markov_w1.weight",
@@ -115,7 +117,7 @@ def test_sglang_configs_and_keys(tmp_path):
     eagle = export_draft(make_eagle3_draft(tmp_path / "eagle"), "sglang", tmp_path / "out-eagle")
     cfg = json.loads((eagle / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 48
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 3]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     state = load_file(str(eagle / "model.safetensors"))
     assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
     assert state["lm_head.weight"].shape == (48, HIDDEN) and "embed_tokens.weight" not in state
@@ -133,6 +135,37 @@ def test_sts_copied_for_dspark(tmp_path):
     with pytest.raises(ValueError, match=r"bad-sts\.json.*temperatures\[1\]"):
         export_draft(ckpt, "sglang", tmp_path / "out-bad", sts_path=bad)
     _no_leftovers(tmp_path / "out-bad")
+
+
+def test_sps_table_shipped_and_serve_command_uses_it(tmp_path):
+    """A DSpark export ships the SPS table beside sts.json, and the printed SGLang command turns on what both need:
+    the ragged-verify mode (SGLang's default `static` builds no confidence head and ignores both files) plus the two
+    paths. A draft without a confidence head gets neither (SGLang's `compact` mode refuses such a draft)."""
+    from export.serving import SpsTable, serve_command
+
+    ckpt = make_block_draft(tmp_path / "d", markov_rank=4, confidence=True)
+    (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.1, 1.2, 1.3]}))
+    SpsTable((1, 8), (100.0, 60.0), 64).save(ckpt / "sps_table.json")
+    out = export_draft(ckpt, "sglang", tmp_path / "out")
+    assert json.loads((out / "sps_table.json").read_text())["sample_steps_per_sec"] == [100.0, 60.0]
+    command = serve_command(ckpt, "sglang", out, "some/target")
+    assert command.startswith("SGLANG_RAGGED_VERIFY_MODE=compact python -m sglang.launch_server ")
+    assert f"--speculative-dspark-confidence-sts-path {out / 'sts.json'}" in command
+    assert f"--speculative-dspark-sps-table-path {out / 'sps_table.json'}" in command
+
+    bad = tmp_path / "bad-sps.json"
+    bad.write_text(json.dumps({"sample_batch_tokens": [8, 1], "sample_steps_per_sec": [1.0, 2.0],
+                               "max_batch_tokens": 8}))
+    with pytest.raises(ValueError, match=r"bad-sps\.json.*ascending"):
+        export_draft(ckpt, "sglang", tmp_path / "out-bad", sps_path=bad)
+    _no_leftovers(tmp_path / "out-bad")
+
+    plain = make_block_draft(tmp_path / "plain", markov_rank=4, confidence=False)
+    SpsTable((1, 8), (100.0, 60.0), 64).save(plain / "sps_table.json")
+    plain_out = export_draft(plain, "sglang", tmp_path / "plain-out")
+    command = serve_command(plain, "sglang", plain_out, "some/target")
+    assert command.startswith("python -m sglang.launch_server ") and "--speculative-algorithm DSPARK" in command
+    assert "sps-table" not in command and "RAGGED" not in command
 
 
 @pytest.mark.parametrize("edit,needle", [
@@ -187,28 +220,62 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert "--checkpoint" in help_text and "DFLASH" in help_text
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark", "dspark-1+N"])
 def test_vllm_speculators_config(tmp_path, kind):
+    algorithm = kind.removesuffix("-1+N")
     if kind == "eagle3":
         ckpt = make_eagle3_draft(tmp_path / "d")
     else:
         ckpt = make_block_draft(tmp_path / "d", markov_rank=0 if kind == "dflash" else 8,
-                                sample_from_anchor=kind != "dflash", confidence=kind == "dspark")
+                                sample_from_anchor=kind == "dspark", confidence=algorithm == "dspark")
     out = export_draft(ckpt, "vllm", tmp_path / "out", verifier="some/target")
     cfg = json.loads((out / "config.json").read_text())
     spec = cfg["speculators_config"]
-    assert spec["algorithm"] == kind and spec["default_proposal_method"] == "greedy"
+    assert spec["algorithm"] == algorithm and spec["default_proposal_method"] == "greedy"
     assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
     assert spec["verifier"]["name_or_path"] == "some/target"
-    assert cfg["speculators_model_type"] == kind and "transformer_layer_config" in cfg
+    assert cfg["speculators_model_type"] == algorithm and "transformer_layer_config" in cfg
     state = load_file(str(out / "model.safetensors"))
     assert "embed_tokens.weight" in state
     if kind == "eagle3":
         assert cfg["architectures"] == ["Eagle3Speculator"]
-        assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 4]  # vLLM counts layers run: HF output id + 1
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # vLLM counts layers run: HF output id + 1
         assert any(k.startswith("layers.0.") for k in state) and not any(k.startswith("midlayer") for k in state)
+        return
+    assert cfg["aux_hidden_state_layer_ids"] == [1, 2, 3]
+    # gamma = 4 drafted tokens either way; speculators' block_size counts the block's slots, and in the 1+N layout
+    # (sample_from_anchor false) the anchor slot drafts nothing: block_size - 1 = gamma, as its DFlash converter writes
+    one_plus_n = kind != "dspark"
+    assert cfg["sample_from_anchor"] is (not one_plus_n)
+    assert cfg["block_size"] == (5 if one_plus_n else 4)
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 4
+
+
+@pytest.mark.parametrize("head", ["gated", "rnn"])
+def test_vllm_refuses_non_vanilla_dspark(tmp_path, head):
+    """vLLM 0.32's DSpark drafter has only the vanilla Markov head: a gated/rnn draft would load what it knows and
+    draft from another distribution, so the vLLM export refuses it and says why; SGLang serves it."""
+    ckpt = make_block_draft(tmp_path / "d", markov_rank=8, head_type=head, confidence=True)
+    with pytest.raises(ValueError, match=rf"markov_head_type='{head}'.*vLLM 0\.32.*only the vanilla"):
+        export_draft(ckpt, "vllm", tmp_path / "out")
+    _no_leftovers(tmp_path / "out")
+    assert export_main(["--checkpoint", str(ckpt), "--to", "vllm", "--out", str(tmp_path / "o")]) == 2
+    export_draft(ckpt, "sglang", tmp_path / "out-sglang")
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
+def test_refuses_aux_layer_equal_to_last_target_layer(tmp_path, kind):
+    """The target has 4 layers: HF layer-output id 3 is its last layer. Engines capture id k as the input of layer
+    k+1, which does not exist for it, and speculators' DFlash converter drops it: refused for both engines."""
+    if kind == "eagle3":
+        ckpt = make_eagle3_draft(tmp_path / "d", layer_ids=(0, 1, 3))
     else:
-        assert cfg["aux_hidden_state_layer_ids"] == [1, 3, 4] and cfg["block_size"] == 4
+        ckpt = make_block_draft(tmp_path / "d", markov_rank=8 if kind == "dspark" else 0,
+                                sample_from_anchor=kind == "dspark", layer_ids=(0, 2, 3))
+    for to in ("sglang", "vllm"):
+        with pytest.raises(ValueError, match=r"includes 3, the target's last decoder layer.*below 3"):
+            export_draft(ckpt, to, tmp_path / f"out-{to}")
+        _no_leftovers(tmp_path / f"out-{to}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

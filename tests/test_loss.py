@@ -416,3 +416,21 @@ def test_all_alphas_zero_is_a_differentiable_zero():
     out = block_loss(model, **b, ce_alpha=0.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=4.0, chunk_size=3)
     assert out.loss_sum.item() == 0.0 and out.ce_sum.item() > 0
     out.loss_sum.backward()
+
+
+def test_eagle3_loss_norm_positions_divides_by_the_batch_tokens():
+    """loss.eagle3_loss_norm: valid_tokens = sum_k decay^k x valid positions of step k; positions (DeepSpec) = the
+    batch's real tokens, whatever the steps' valid counts."""
+    from core.recipe import load_recipe
+    from train.algorithms import Eagle3Algorithm
+
+    records = [{"input_ids": torch.arange(10), "loss_mask": torch.tensor([0] * 4 + [1] * 6)},
+               {"input_ids": torch.arange(6), "loss_mask": torch.tensor([0, 0, 1, 1, 1, 1])}]
+    token_mean = Eagle3Algorithm.make_batch(load_recipe("eagle3_smollm2_135m", ["draft.ttt_length=3"]), records,
+                                            [], "cpu")
+    valid = token_mean["step_valid"]
+    assert token_mean["weight_sum"] == pytest.approx(sum(0.8**k * float(v.sum()) for k, v in enumerate(valid)))
+    deepspec = Eagle3Algorithm.make_batch(load_recipe("eagle3_smollm2_135m", ["draft.ttt_length=3",
+                                                                              "loss.eagle3_loss_norm=positions"]),
+                                          records, [], "cpu")
+    assert deepspec["weight_sum"] == 16.0 != token_mean["weight_sum"]

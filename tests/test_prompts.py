@@ -312,6 +312,17 @@ def test_short_source_warns_and_gives_what_it_has(tmp_path):
     assert Counter(p.source for p in got) == {"a": 20, "small": 5}
 
 
+def test_short_source_is_refused_unless_allow_fewer(tmp_path):
+    """What a recipe (data.allow_fewer: false, the default) gets: an error naming every short source and the fix,
+    instead of silently training on a fraction of what it asked for."""
+    a = write_jsonl(tmp_path / "a.jsonl", numbered_rows("a", 100))
+    small = write_jsonl(tmp_path / "small.jsonl", numbered_rows("s", 5))
+    with pytest.raises(ValueError, match=r"asked for 40 prompts, but '.*small\.jsonl' holds 5 train prompts for its "
+                                         r"share of 20.*data\.allow_fewer: true"):
+        load_prompts([Src(a), Src(small)], 40, 0.0, 0, allow_fewer=False)
+    assert len(load_prompts([Src(a), Src(small)], 10, 0.0, 0, allow_fewer=False)) == 10  # enough: no error
+
+
 def test_holdout_is_disjoint_and_stable(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", numbered_rows("a", 400))
     b = write_jsonl(tmp_path / "b.jsonl", numbered_rows("b", 400))

@@ -94,8 +94,27 @@ def test_bad_choice_and_range():
         load_recipe("dspark_smollm2_135m", ["train.keep_checkpoints=-1"])
     with pytest.raises(RecipeError, match=r"train.zero_stage must be 0 \(DDP\), 1 or 2 .*got 3"):
         load_recipe("dspark_smollm2_135m", ["train.zero_stage=3"])
-    with pytest.raises(RecipeError, match=r"eagle3 reads 3 auxiliary layers"):
-        load_recipe("eagle3_smollm2_135m", ["target.layer_ids=[1, 2]"])
+    with pytest.raises(RecipeError, match=r"loss.eagle3_loss_norm: 'global' is not one of"):
+        load_recipe("eagle3_smollm2_135m", ["loss.eagle3_loss_norm=global"])
+
+
+def test_eagle3_layer_count_and_loss_norm_are_recipe_keys():
+    """DeepSpec's Eagle3 reads the block drafters' 5 target layers and normalises each TTT step by the batch's tokens;
+    both are recipe choices, the classic 3 layers and the token mean stay the default."""
+    default = load_recipe("eagle3_qwen3_8b")
+    assert len(default.target.layer_ids) == 3 and default.loss.eagle3_loss_norm == "valid_tokens"
+    deepspec = load_recipe("eagle3_qwen3_8b", ["target.layer_ids=[1, 9, 17, 25, 33]", "loss.eagle3_loss_norm=positions"])
+    assert deepspec.target.layer_ids == [1, 9, 17, 25, 33] and deepspec.loss.eagle3_loss_norm == "positions"
+
+
+def test_qwen3_recipes_ask_for_deepspec_scale_data():
+    """A DeepSpec-like mix at about DeepSpec's 10 epochs, refused (not shrunk) when the sources fall short."""
+    for family in ("dspark", "dflash", "eagle3"):
+        recipe = load_recipe(f"{family}_qwen3_8b")
+        assert [s.name for s in recipe.data.sources] == ["mlabonne/open-perfectblend"]
+        assert recipe.data.allow_fewer is False and recipe.data.num_prompts >= 1_000_000
+        epochs = recipe.train.max_steps * recipe.train.global_batch_size / recipe.data.num_prompts
+        assert 9.5 <= epochs <= 10.5, epochs
 
 
 def test_set_overrides_nested_and_lists():

@@ -118,3 +118,25 @@ def test_over_long_later_turn_ends_the_conversation_and_over_long_first_turn_fai
     assert [m["content"] for m in records[0]["conversations"] if m["role"] != "system"] == ["short", "ok 1"]
     assert errors == [{"id": "b", "source": "", "reason": "turn 0: prompt is too long"}]
     assert tokens == 2
+
+
+def test_recipe_asking_for_more_prompts_than_its_sources_hold_is_refused_before_regeneration(tmp_path):
+    """data.allow_fewer false (the default): the stage refuses before it pins its folder or loads the target, so the
+    fixed recipe runs in the same --out."""
+    from types import SimpleNamespace
+
+    from data.regenerate import run_regenerate
+
+    prompts = tmp_path / "five.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"question {i}"]}) + "\n" for i in range(5)))
+    recipe = load_recipe("dspark_smollm2_135m", [f"data.sources=[{{name: '{prompts}'}}]", "data.num_prompts=8",
+                                                 "data.holdout_fraction=0.0"])
+    dist = SimpleNamespace(is_main=True, rank=0, print=print, mine=lambda xs: list(xs))
+
+    def no_target():
+        raise AssertionError("the target must not be loaded for a recipe that is refused")
+
+    out = tmp_path / "regen"
+    with pytest.raises(ValueError, match=r"asked for 8 prompts, but .*five\.jsonl' holds 5 .*data\.allow_fewer"):
+        run_regenerate(recipe, out, dist, no_target, tokenizer=None)
+    assert not (out.exists() and any(out.iterdir())), "the refused stage pinned or wrote something"

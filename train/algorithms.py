@@ -243,7 +243,10 @@ class Eagle3Algorithm:
         if "rollout_starts" in records[0]:  # on-policy batch: the rounds pending at a draft from t = a - 1
             valid = valid & rollout_mask(records, valid.shape[-1], shift=-1).to(valid.device)
         batch["step_valid"] = list(valid)
-        batch["weight_sum"] = eagle3_weight_sum(valid, recipe.loss.step_loss_decay)
+        if recipe.loss.eagle3_loss_norm == "positions":  # DeepSpec: every step's sum over the batch's tokens
+            batch["weight_sum"] = float(batch["attention_mask"].sum())
+        else:
+            batch["weight_sum"] = eagle3_weight_sum(valid, recipe.loss.step_loss_decay)
         return batch
 
     @staticmethod
