@@ -112,7 +112,7 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             if dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
                 eval_report = run_eval_stage(recipe, out / "train" / "final", out / "eval", target())
                 print_summary(eval_report)
-            dist.barrier()
+            dist.wait()
         elif name == "export":
             if dist.is_main:
                 sts = out / "eval" / STS_FILENAME
@@ -120,7 +120,7 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
                                         sts if sts.is_file() else None)
                 print(f"[export] SGLang checkpoint: {done['path']}\n[export] serve it (GPU) with: {done['command']}",
                       flush=True)
-            dist.barrier()
+            dist.wait()
         dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
     if eval_report is not None:  # rank 0, eval among the stages
         ngram = eval_report.get("ngram_baseline")

@@ -144,7 +144,9 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
                                  recipe.cache.batch_size, dtype, bar)
         writer.write_shard(s, _with_fault(records, s))
     bar.close()
-    elapsed = dist.max(time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    dist.wait()  # ranks finish their shards at different times: the long timeout, then the per-step collectives
+    elapsed = dist.max(elapsed)
     done_tokens, = dist.sum(todo_tokens)
     dist.barrier()
     if dist.is_main:

@@ -241,6 +241,7 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
         fault_point("regenerate", k)
     bar.close()
     elapsed = time.perf_counter() - start
+    dist.wait()  # ranks finish their chunks hours apart: the long timeout, then the per-step collectives
     total_tokens, = dist.sum(num_tokens)
     elapsed = dist.max(elapsed)
     dist.barrier()

@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 from core import stage
 from core.io import atomic_write_text, publish_dir
 from train.algorithms import attach_hidden, get_algorithm
-from core.dist import Dist, fault_point
+from core.dist import Dist, fault_point, init_process_group, process_group_backend
 from core.recipe import recipe_to_dict
 
 
@@ -160,7 +160,9 @@ class Engine:
                 for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                                    ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
                     os.environ.setdefault(key, value)
-            deepspeed.init_distributed(dist_backend="gloo" if dist.device.type == "cpu" else "nccl")
+                # Our group, not DeepSpeed's own NCCL-only one with its own timeout: CPU collectives need gloo too.
+                init_process_group(dist.device)
+            deepspeed.init_distributed(dist_backend=process_group_backend(dist.device))
             self.module, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=self.params,
                                                                      config=config)
         else:
