@@ -88,7 +88,8 @@ def read_json(path, validate: Callable | None = None):
         raise ValueError(f"{path}: {err}") from err
 
 
-def _sync_tree(root: Path) -> None:
+def sync_tree(root) -> None:
+    """fsync every file and folder under `root` (before a pointer to it is published)."""
     for folder, _, files in os.walk(root):
         for name in files:
             with open(os.path.join(folder, name), "rb") as handle:
@@ -115,7 +116,7 @@ def publish_dir(dst, *, if_exists: str = "replace") -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        _sync_tree(tmp)
+        sync_tree(tmp)
         if dst.exists() and if_exists == "replace":
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
             os.replace(dst, old / "x")
@@ -140,3 +141,4 @@ def sha256_file(path, chunk: int = 16 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+

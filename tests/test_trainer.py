@@ -185,3 +185,39 @@ def test_eval_and_export_stages_run_again_when_their_inputs_change(prepared, tin
     assert "draft_sha256" in printed and "eval is complete" not in printed.replace(str(out / "eval"), "eval")
     exported = load_file(str(out / "export" / "sglang" / "model.safetensors"))
     assert torch.equal(exported["fc.weight"], weights["fc.weight"])
+
+
+def test_kill_after_the_final_save_resumes_to_done(prepared, tiny_qwen3, prompt_file, tmp_path):
+    out = copy_run(prepared, "dspark", tmp_path / "run")
+    killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out), {"DRAFTSMITH_KILL_AT": "train:6"})
+    assert killed.returncode == -9
+    assert (out / "train" / "checkpoints" / "latest").read_text().strip() == "step-0000006"
+    resumed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    done = json.loads((out / "train" / "DONE.json").read_text())
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert done["last"] == rows[-1] and done["first"] == rows[0]  # the real last step, not an empty one
+    assert (out / "train" / "final" / "model.safetensors").is_file()
+
+
+def test_resume_refuses_a_missing_latest_target_and_survives_a_cut_off_metrics_line(prepared, tiny_qwen3,
+                                                                                      prompt_file, tmp_path):
+    out = copy_run(prepared, "dspark", tmp_path / "run")
+    args = train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out)
+    assert run_cli(args, {"DRAFTSMITH_KILL_AT": "train:3"}).returncode == -9
+    ckpt = out / "train" / "checkpoints"
+    log = out / "train" / "metrics.jsonl"
+    with open(log, "a") as handle:
+        handle.write('{"step": 4, "lo')  # the kill (or a full disk) cut the last append short
+    before = log.read_bytes()
+    (ckpt / "step-0000002").rename(ckpt / "moved-away")
+    refused = run_cli(args)
+    assert refused.returncode != 0
+    assert f"{ckpt / 'step-0000002'}, which is missing" in refused.stderr
+    assert log.read_bytes() == before and not (out / "train" / "DONE.json").exists()  # nothing restarted at 0
+    (ckpt / "moved-away").rename(ckpt / "step-0000002")
+    resumed = run_cli(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "dropping its cut-off last line" in resumed.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, 7))
