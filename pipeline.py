@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from core.dist import close_dist, init_dist
-from core.io import atomic_write_text
+from core.io import LockedError, atomic_write_text, lock_for_process
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from data.capture import open_cache, run_cache
 from data.regenerate import run_regenerate
@@ -76,6 +76,12 @@ def main(argv=None) -> int:
         if os.environ.get(var) is None and recipe.target.name_or_path == "smollm2-135m-instruct":
             os.environ[var] = "1"  # the embedded target never needs the hub
 
+    if int(os.environ.get("RANK", "0")) == 0:  # one lock per run; rank 0 stops a second run (torchrun the rest)
+        try:
+            lock_for_process(out / ".draftsmith.lock", f"--out {out}")
+        except LockedError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     dist = init_dist()
     try:
         if dist.is_main:
