@@ -26,11 +26,12 @@ from core.dist import close_dist, init_dist
 from core.io import LockedError, atomic_write_text, lock_for_process
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from data.capture import open_cache, run_cache
+from data.sources import resolve_source
 from data.regenerate import run_regenerate
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
 from export.serving import STS_FILENAME
-from modeling.target import load_target, load_tokenizer, target_hidden_size
+from modeling.target import load_target, load_tokenizer, target_hidden_size, target_num_layers
 from train.trainer import run_train
 
 STAGES = ("regenerate", "cache", "train", "eval", "export")
@@ -75,6 +76,10 @@ def main(argv=None) -> int:
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var) is None and recipe.target.name_or_path == "smollm2-135m-instruct":
             os.environ[var] = "1"  # the embedded target never needs the hub
+    problems = check_inputs(recipe, stages, int(os.environ.get("WORLD_SIZE", "1")))
+    if problems:
+        print(f"error: recipe '{recipe.name}' cannot run:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
 
     if int(os.environ.get("RANK", "0")) == 0:  # one lock per run; rank 0 stops a second run (torchrun the rest)
         try:
@@ -92,6 +97,38 @@ def main(argv=None) -> int:
     finally:
         close_dist()
     return 0
+
+
+def check_inputs(recipe, stages: list[str], world_size: int) -> list[str]:
+    """What the recipe schema cannot see and a stage would find only hours later (an eval set named wrong is found
+    after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
+    problems = []
+
+    def source(key: str, name: str, path: str | None) -> None:
+        try:
+            spec = resolve_source(name, path)
+        except ValueError as err:
+            problems.append(f"{key}: {err}")
+            return
+        if spec.path and spec.kind != "hub" and not Path(spec.path).is_file():
+            problems.append(f"{key}: file {spec.path} not found")
+
+    if "regenerate" in stages:
+        for i, src in enumerate(recipe.data.sources):
+            source(f"data.sources[{i}]", src.name, src.path)
+    if "eval" in stages:
+        source("eval.dataset", recipe.eval.dataset, None)
+    if {"regenerate", "cache", "train"} & set(stages):
+        layers = target_num_layers(recipe.target.name_or_path)
+        bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]
+        if bad:
+            problems.append(f"target.layer_ids {recipe.target.layer_ids}: {bad} out of range for "
+                            f"{recipe.target.name_or_path} with {layers} decoder layers (valid ids 0..{layers - 1})")
+    per_step = recipe.train.micro_batch_size * world_size
+    if "train" in stages and recipe.train.global_batch_size % per_step:
+        problems.append(f"train.global_batch_size={recipe.train.global_batch_size} must be a multiple of "
+                        f"train.micro_batch_size × ranks = {recipe.train.micro_batch_size} × {world_size}")
+    return problems
 
 
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:

@@ -116,6 +116,18 @@ def target_hidden_size(name_or_path: str) -> int:
     return getattr(config, "text_config", config).hidden_size
 
 
+def target_num_layers(name_or_path: str) -> int | None:
+    """The target's decoder layer count from its config alone (no weights), None when the config cannot be read
+    here (a hub id not in the local cache while offline): then the cache stage checks it on the loaded model."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_target(name_or_path))
+    except (OSError, ValueError):
+        return None
+    return getattr(getattr(config, "text_config", config), "num_hidden_layers", None)
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
     backbone = getattr(model, "model", model)
     layers = getattr(backbone, "layers", None)
