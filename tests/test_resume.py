@@ -159,3 +159,15 @@ def test_wandb_run_id_is_the_same_in_every_process(tmp_path):
            for seed in (1, 2, 3)}
     assert len(ids) == 1 and ids.pop().startswith("dspark-")
     assert trainer.wandb_run_id("dspark", tmp_path / "run") != trainer.wandb_run_id("dspark", tmp_path / "other")
+
+
+def test_deepspeed_checkpoints_load_without_running_code(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_load_worker.py"), str(tmp_path / "ckpt"),
+                           str(tmp_path / "code-ran")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    assert result["step"] == 1 and result["same_weights"]
+    assert "could run code" in result["crafted"] and "optim_states.pt" in result["crafted"]
+    assert not result["code_ran"]

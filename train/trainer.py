@@ -132,20 +132,42 @@ def prune_checkpoints(ckpt_root: Path, keep: int) -> list[Path]:
     return stale
 
 
-def load_tensors(path: Path) -> dict:
+def load_tensors(path: Path, map_location="cpu") -> dict:
     """torch.load of a file we wrote (tensors, numbers, strings, lists, dicts) without unpickling anything else: a
     checkpoint from a shared or copied run folder must not be able to run code."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         raise ValueError(f"{path} holds more than tensors and plain values, refused (unpickling it could run code); "
-                         f"it is not a checkpoint this trainer wrote. Delete that checkpoint folder and point "
-                         f"{path.parent.parent / 'latest'} at another one. ({str(err).splitlines()[0]})") from None
+                         f"it is not a checkpoint this trainer wrote. Delete its checkpoint folder and write the name "
+                         f"of another one into the checkpoints' `latest` file. ({str(err).splitlines()[0]})") from None
+
+
+#: the classes DeepSpeed ZeRO-1/2 pickles into its optimizer states besides tensors and plain values
+DEEPSPEED_CHECKPOINT_CLASSES = ("deepspeed.utils.tensor_fragment.fragment_address",
+                                "deepspeed.runtime.zero.config.ZeroStageEnum",
+                                "deepspeed.runtime.fp16.loss_scaler.LossScaler")
+
+
+def _safe_deepspeed_loads(ds_engine) -> None:
+    """DeepSpeed's checkpoint engine unpickles with weights_only=False: load its files with weights_only=True
+    instead, allowing only the few DeepSpeed classes its ZeRO-1/2 states hold."""
+    import importlib
+
+    classes = [getattr(importlib.import_module(module), name)
+               for module, name in (dotted.rsplit(".", 1) for dotted in DEEPSPEED_CHECKPOINT_CLASSES)]
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(classes):
+            return load_tensors(Path(path), map_location)
+
+    ds_engine.checkpoint_engine.load = load
 
 
 def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
     state = load_tensors(path / "trainer_state.pt")
     if engine.kind == "deepspeed":
+        _safe_deepspeed_loads(engine.module)
         engine.module.load_checkpoint(str(path), tag="zero", load_optimizer_states=True,
                                       load_lr_scheduler_states=False)
     else:
