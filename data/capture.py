@@ -157,7 +157,7 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
         stage.mark_done(out_dir, stats)
         print(f"[cache] {stats['records']} records, {stats['tokens']} tokens, {per_token} B/token, "
               f"{format_bytes(stats['total_bytes'])} on disk; {stage.throughput_line(stats)}", flush=True)
-    dist.barrier()
+    dist.wait()  # rank 0 finalized the whole cache meanwhile
     return stage.read_done(out_dir)
 
 
