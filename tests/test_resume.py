@@ -87,6 +87,10 @@ def test_checkpoint_files_load_without_running_code(tmp_path):
             trainer.load_checkpoint(engine, fresh, fresh_opt, ckpt)
         assert str(ckpt / name) in str(err.value)
         assert not marker.exists()
+        (ckpt / name).write_bytes(good[: len(good) // 2])  # cut short (a full disk, a copy that stopped)
+        with pytest.raises(ValueError, match="truncated or corrupt") as err:
+            trainer.load_checkpoint(engine, fresh, fresh_opt, ckpt)
+        assert str(ckpt / name) in str(err.value)
         (ckpt / name).write_bytes(good)
 
 

@@ -141,6 +141,10 @@ def load_tensors(path: Path, map_location="cpu") -> dict:
         raise ValueError(f"{path} holds more than tensors and plain values, refused (unpickling it could run code); "
                          f"it is not a checkpoint this trainer wrote. Delete its checkpoint folder and write the name "
                          f"of another one into the checkpoints' `latest` file. ({str(err).splitlines()[0]})") from None
+    except (RuntimeError, EOFError) as err:  # torch names no file when the zip is cut short or damaged
+        raise ValueError(f"{path} is unreadable (truncated or corrupt: {str(err).splitlines()[0]}). Delete its "
+                         f"checkpoint folder and write the name of an older one into the checkpoints' `latest` "
+                         f"file, or delete the checkpoints to train from step 0") from None
 
 
 #: the classes DeepSpeed ZeRO-1/2 pickles into its optimizer states besides tensors and plain values
