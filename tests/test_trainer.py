@@ -100,17 +100,19 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     assert f"tau = {report['accept_len']:.3f}" in done.stdout
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_kill_and_resume_continues_bit_exact(zero_stage, prepared, tiny_qwen3, prompt_file, tmp_path):
+@pytest.mark.parametrize("zero_stage,kill_at", [(0, "train:3"), (2, "train:3"), (0, "train-save:4")])
+def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, tiny_qwen3, prompt_file, tmp_path):
     clean, crashed = copy_run(prepared, "dspark", tmp_path / "clean"), copy_run(prepared, "dspark", tmp_path / "crash")
     extra = {"train.zero_stage": zero_stage}
     assert run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, clean, **extra)).returncode == 0
     # keep_checkpoints is not a result-changing setting: the resumed run may use another value (the default 2)
     killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra,
                                 **{"train.keep_checkpoints": 1}),
-                     {"DRAFTSMITH_KILL_AT": "train:3"})
+                     {"DRAFTSMITH_KILL_AT": kill_at})
     assert killed.returncode == -9
     assert (crashed / "train" / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    half = crashed / "train" / "checkpoints" / "step-0000004"
+    assert half.is_dir() == (kill_at == "train-save:4") and not (half / "trainer_state.pt").exists()
     resumed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout

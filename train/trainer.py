@@ -104,6 +104,7 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
         torch.save({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
     if dist.is_main:
         module.save_draft(path / "draft")
+        fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last one
         torch.save({"step": step, "model": module.state_dict(), **extra},
                    path / "trainer_state.pt")
     dist.barrier()
