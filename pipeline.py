@@ -31,7 +31,7 @@ from data.regenerate import run_regenerate
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
 from export.serving import STS_FILENAME
-from modeling.target import load_target, load_tokenizer, target_hidden_size, target_num_layers
+from modeling.target import load_target, load_tokenizer, target_hidden_size, target_shape
 from train.trainer import run_train
 
 STAGES = ("regenerate", "cache", "train", "eval", "export")
@@ -118,12 +118,16 @@ def check_inputs(recipe, stages: list[str], world_size: int) -> list[str]:
             source(f"data.sources[{i}]", src.name, src.path)
     if "eval" in stages:
         source("eval.dataset", recipe.eval.dataset, None)
-    if {"regenerate", "cache", "train"} & set(stages):
-        layers = target_num_layers(recipe.target.name_or_path)
-        bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]
-        if bad:
-            problems.append(f"target.layer_ids {recipe.target.layer_ids}: {bad} out of range for "
-                            f"{recipe.target.name_or_path} with {layers} decoder layers (valid ids 0..{layers - 1})")
+    shape = target_shape(recipe.target.name_or_path) if {"regenerate", "cache", "train"} & set(stages) else None
+    layers, vocab = (shape or {}).get("num_layers"), (shape or {}).get("vocab_size")
+    bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]
+    if bad:
+        problems.append(f"target.layer_ids {recipe.target.layer_ids}: {bad} out of range for "
+                        f"{recipe.target.name_or_path} with {layers} decoder layers (valid ids 0..{layers - 1})")
+    mask = recipe.draft.mask_token_id
+    if vocab is not None and mask is not None and recipe.family != "eagle3" and not 0 <= mask < vocab:
+        problems.append(f"draft.mask_token_id {mask} is outside the target vocabulary (ids 0..{vocab - 1}); "
+                        f"null picks the family default")
     per_step = recipe.train.micro_batch_size * world_size
     if "train" in stages and recipe.train.global_batch_size % per_step:
         problems.append(f"train.global_batch_size={recipe.train.global_batch_size} must be a multiple of "

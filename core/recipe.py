@@ -415,6 +415,8 @@ def _check_values(recipe: Recipe) -> None:
         problems.append(f"target.layer_ids: eagle3 reads 3 auxiliary layers, got {recipe.target.layer_ids}")
     if recipe.regen.backend == "openai" and not recipe.regen.server_urls:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
+    problems += [f"regen.server_urls[{i}]: {url!r} is not an http(s) URL; write it as http://host:port"
+                 for i, url in enumerate(recipe.regen.server_urls) if not url.startswith(("http://", "https://"))]
     non_negative = {"draft.markov_rank": recipe.draft.markov_rank,
                     "train.keep_checkpoints": recipe.train.keep_checkpoints}
     problems += [f"{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]

@@ -22,6 +22,8 @@ CASES = [
     ({"regen.top_k": -5}, "regenerate", ["regen.top_k must be >= 1, or 0 / -1"]),
     ({"regen.temperature": -0.5}, "regenerate", ["regen.temperature must be >= 0"]),
     ({"regen.max_concurrency": 0}, "regenerate", ["regen.max_concurrency must be > 0, got 0"]),
+    ({"regen.backend": "openai", "regen.server_urls": "[localhost:30000]"}, "regenerate",
+     ["regen.server_urls[0]: 'localhost:30000' is not an http(s) URL"]),
     ({"regen.request_timeout_s": 0}, "regenerate", ["regen.request_timeout_s must be > 0"]),
     ({"draft.num_anchors": 0}, "train", ["draft.num_anchors must be > 0, got 0"]),
     ({"loss.ce_alpha": -1}, "train", ["loss.ce_alpha must be >= 0"]),
@@ -29,6 +31,7 @@ CASES = [
     # checked against the target's config (40 layers), before regeneration rather than after it
     ({"target.layer_ids": "[1, 8, 99]"}, "regenerate,cache",
      ["target.layer_ids [1, 8, 99]: [99] out of range", "40 decoder layers (valid ids 0..39)"]),
+    ({"draft.mask_token_id": 10**7}, "train", ["draft.mask_token_id 10000000 is outside the target vocabulary"]),
     # an eval set named wrong used to be found only after training
     ({"eval.dataset": "mtbenhc"}, "train,eval", ["eval.dataset: unknown prompt source 'mtbenhc'",
                                                 "Did you mean 'mtbench'?"]),
