@@ -22,12 +22,13 @@ from pathlib import Path
 
 import yaml
 
+from core import stage
 from core.dist import close_dist, init_dist
 from core.io import LockedError, atomic_write_text, lock_for_process
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from data.capture import open_cache, run_cache
-from data.sources import resolve_source
 from data.regenerate import run_regenerate
+from data.sources import resolve_source
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
 from export.serving import STS_FILENAME
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var) is None and recipe.target.name_or_path == "smollm2-135m-instruct":
             os.environ[var] = "1"  # the embedded target never needs the hub
-    problems = check_inputs(recipe, stages, int(os.environ.get("WORLD_SIZE", "1")))
+    problems = check_inputs(recipe, stages, out, int(os.environ.get("WORLD_SIZE", "1")))
     if problems:
         print(f"error: recipe '{recipe.name}' cannot run:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def check_inputs(recipe, stages: list[str], world_size: int) -> list[str]:
+def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[str]:
     """What the recipe schema cannot see and a stage would find only hours later (an eval set named wrong is found
     after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
     problems = []
@@ -113,7 +114,7 @@ def check_inputs(recipe, stages: list[str], world_size: int) -> list[str]:
         if spec.path and spec.kind != "hub" and not Path(spec.path).is_file():
             problems.append(f"{key}: file {spec.path} not found")
 
-    if "regenerate" in stages:
+    if "regenerate" in stages and not stage.is_done(out / "regen"):  # done: its prompt files are no longer read
         for i, src in enumerate(recipe.data.sources):
             source(f"data.sources[{i}]", src.name, src.path)
     if "eval" in stages:

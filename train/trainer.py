@@ -19,13 +19,12 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
-
-import pickle
 
 import torch
 from tqdm.auto import tqdm
