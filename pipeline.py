@@ -23,16 +23,18 @@ from pathlib import Path
 
 import yaml
 
+from core import stage
 from core.dist import close_dist, init_dist
-from core.io import atomic_write_text
+from core.io import LockedError, atomic_write_text, lock_for_process
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from data.capture import open_cache, run_cache
 from data.online import OnlineRecords
 from data.regenerate import run_regenerate
+from data.sources import resolve_source
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
 from export.serving import SPS_FILENAME, STS_FILENAME
-from modeling.target import load_target, load_tokenizer, target_hidden_size
+from modeling.target import load_target, load_tokenizer, target_hidden_size, target_shape
 from train.opd import run_opd
 from train.trainer import run_train
 
@@ -78,7 +80,17 @@ def main(argv=None) -> int:
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var) is None and recipe.target.name_or_path == "smollm2-135m-instruct":
             os.environ[var] = "1"  # the embedded target never needs the hub
+    problems = check_inputs(recipe, stages, out, int(os.environ.get("WORLD_SIZE", "1")))
+    if problems:
+        print(f"error: recipe '{recipe.name}' cannot run:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
 
+    if int(os.environ.get("RANK", "0")) == 0:  # one lock per run; rank 0 stops a second run (torchrun the rest)
+        try:
+            lock_for_process(out / ".draftsmith.lock", f"--out {out}")
+        except LockedError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     dist = init_dist()
     try:
         if dist.is_main:
@@ -102,6 +114,45 @@ def training_records(recipe, out: Path, tokenizer, target):
 def final_draft(recipe, out: Path) -> Path:
     """The draft eval and export read: on-policy distilled when the recipe has opd rounds."""
     return out / ("opd" if recipe.opd.rounds > 0 else "train") / "final"
+
+
+def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[str]:
+    """What the recipe schema cannot see and a stage would find only hours later (an eval set named wrong is found
+    after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
+    problems = []
+
+    def source(key: str, name: str, path: str | None) -> None:
+        try:
+            spec = resolve_source(name, path)
+        except ValueError as err:
+            problems.append(f"{key}: {err}")
+            return
+        if spec.path and spec.kind != "hub" and not Path(spec.path).is_file():
+            problems.append(f"{key}: file {spec.path} not found")
+
+    if "regenerate" in stages and not stage.is_done(out / "regen"):  # done: its prompt files are no longer read
+        for i, src in enumerate(recipe.data.sources):
+            source(f"data.sources[{i}]", src.name, src.path)
+    if "eval" in stages:
+        source("eval.dataset", recipe.eval.dataset, None)
+    shape = target_shape(recipe.target.name_or_path) if {"regenerate", "cache", "train"} & set(stages) else None
+    layers, vocab = (shape or {}).get("num_layers"), (shape or {}).get("vocab_size")
+    bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]
+    if bad:
+        problems.append(f"target.layer_ids {recipe.target.layer_ids}: {bad} out of range for "
+                        f"{recipe.target.name_or_path} with {layers} decoder layers (valid ids 0..{layers - 1})")
+    mask = recipe.draft.mask_token_id
+    if vocab is not None and mask is not None and recipe.family != "eagle3" and not 0 <= mask < vocab:
+        problems.append(f"draft.mask_token_id {mask} is outside the target vocabulary (ids 0..{vocab - 1}); "
+                        f"null picks the family default")
+    if "opd" in stages and recipe.opd.rounds > 0 and recipe.regen.temperature != 0:
+        problems.append(f"opd.rounds {recipe.opd.rounds} replays greedy rollouts, which the regenerated answers are only "
+                        f"at regen.temperature 0 (got {recipe.regen.temperature}): set it to 0, or opd.rounds=0")
+    per_step = recipe.train.micro_batch_size * world_size
+    if "train" in stages and recipe.train.global_batch_size % per_step:
+        problems.append(f"train.global_batch_size={recipe.train.global_batch_size} must be a multiple of "
+                        f"train.micro_batch_size × ranks = {recipe.train.micro_batch_size} × {world_size}")
+    return problems
 
 
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
@@ -136,7 +187,7 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             if dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
                 eval_report = run_eval_stage(recipe, final_draft(recipe, out), out / "eval", target())
                 print_summary(eval_report)
-            dist.barrier()
+            dist.wait()
         elif name == "export":
             if dist.is_main:
                 sts, sps = out / "eval" / STS_FILENAME, out / "eval" / SPS_FILENAME
@@ -144,7 +195,7 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
                                         sts if sts.is_file() else None, sps if sps.is_file() else None)
                 print(f"[export] SGLang checkpoint: {done['path']}\n[export] serve it (GPU) with: {done['command']}",
                       flush=True)
-            dist.barrier()
+            dist.wait()
         dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
     if eval_report is not None:  # rank 0, eval among the stages
         ngram = eval_report.get("ngram_baseline")

@@ -1,7 +1,13 @@
-"""Process-group helpers shared by every stage: torchrun or plain python, gloo on CPU, NCCL on GPU.
+"""Process-group helpers shared by every stage: torchrun or plain python, gloo on CPU, NCCL (+ gloo) on GPU.
 
 Stages split their work into fixed units (regeneration chunks, cache shards) and give unit k to rank k % world,
 so the result never depends on how many ranks made it, and a resumed run redoes only the missing units.
+
+Two timeouts: every collective of the default group (per-step sums, DDP's gradient all-reduce, checkpoint barriers)
+fails after DRAFTSMITH_DIST_TIMEOUT_MIN (default 30) minutes, so a hung rank stops the job instead of stalling it;
+only `Dist.wait` (the points where ranks legitimately wait for another rank's long work: the end of regeneration
+and of the cache stage, rank 0's eval and export) uses a separate gloo group with DRAFTSMITH_DIST_WAIT_TIMEOUT_MIN
+(default 360) minutes.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    #: the long-timeout gloo group `wait` uses (None: the default group)
+    wait_group: object = None
 
     @property
     def is_main(self) -> bool:
@@ -33,6 +41,12 @@ class Dist:
     def barrier(self) -> None:
         if self.world_size > 1:
             tdist.barrier()
+
+    def wait(self) -> None:
+        """A barrier where other ranks may still be busy with hours of work (regeneration, rank 0's eval): it has the
+        long timeout, the per-step collectives after it do not."""
+        if self.world_size > 1:
+            tdist.barrier(group=self.wait_group)
 
     def sum(self, *values: float) -> list[float]:
         """Sum numbers over ranks (every rank gets the totals)."""
@@ -54,6 +68,38 @@ class Dist:
             print(*args, flush=True)
 
 
+def _minutes(name: str, default: float) -> datetime.timedelta:
+    value = os.environ.get(name, str(default))
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = float("nan")
+    if not minutes > 0 or minutes == float("inf"):
+        raise ValueError(f"{name}={value!r}: expected a positive number of minutes (default {default})")
+    return datetime.timedelta(minutes=minutes)
+
+
+def step_timeout() -> datetime.timedelta:
+    """Timeout of every ordinary collective (DRAFTSMITH_DIST_TIMEOUT_MIN, default 30 minutes)."""
+    return _minutes("DRAFTSMITH_DIST_TIMEOUT_MIN", 30)
+
+
+def wait_timeout() -> datetime.timedelta:
+    """Timeout of `Dist.wait` (DRAFTSMITH_DIST_WAIT_TIMEOUT_MIN, default 360 minutes)."""
+    return _minutes("DRAFTSMITH_DIST_WAIT_TIMEOUT_MIN", 360)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """gloo on CPU; on GPU NCCL for device tensors and gloo for CPU tensors: NCCL has no CPU collectives, and
+    Dist.sum/max reduce CPU scalars."""
+    return "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
+
+
+def init_process_group(device: torch.device) -> None:
+    """The default process group for `device`, with the per-step timeout (also DeepSpeed's one-process setup)."""
+    tdist.init_process_group(backend=process_group_backend(device), timeout=step_timeout())
+
+
 def init_dist() -> Dist:
     """Join the torchrun process group if there is one; pick this rank's device."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -62,14 +108,13 @@ def init_dist() -> Dist:
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1 and not tdist.is_initialized():
-        # Regeneration on one rank can run for hours while the others wait at a barrier.
-        minutes = float(os.environ.get("DRAFTSMITH_DIST_TIMEOUT_MIN", "360"))
-        tdist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(minutes=minutes),
-        )
-    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    wait_group = None
+    if world_size > 1:
+        if not tdist.is_initialized():
+            init_process_group(device)
+        # Collective call: every rank makes the same groups in the same order.
+        wait_group = tdist.new_group(backend="gloo", timeout=wait_timeout())
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank, device=device, wait_group=wait_group)
 
 
 def close_dist() -> None:

@@ -12,10 +12,12 @@ fsynced too (a rename is only durable once the directory itself reaches the disk
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -88,7 +90,8 @@ def read_json(path, validate: Callable | None = None):
         raise ValueError(f"{path}: {err}") from err
 
 
-def _sync_tree(root: Path) -> None:
+def sync_tree(root) -> None:
+    """fsync every file and folder under `root` (before a pointer to it is published)."""
     for folder, _, files in os.walk(root):
         for name in files:
             with open(os.path.join(folder, name), "rb") as handle:
@@ -115,7 +118,7 @@ def publish_dir(dst, *, if_exists: str = "replace") -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        _sync_tree(tmp)
+        sync_tree(tmp)
         if dst.exists() and if_exists == "replace":
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
             os.replace(dst, old / "x")
@@ -140,3 +143,33 @@ def sha256_file(path, chunk: int = 16 << 20) -> str:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+class LockedError(RuntimeError):
+    """Another live process holds the lock: two runs on one output folder would corrupt each other."""
+
+
+_HELD: dict[str, int] = {}  # lock path -> open fd, kept for the life of the process
+
+
+def lock_for_process(lock_path, what: str) -> None:
+    """Take an advisory lock (flock on `lock_path`) until this process exits, or raise LockedError naming the pid
+    and host that hold it. The kernel releases it when the holder dies, however it dies (kill -9 included), so a
+    requeued job never finds a stale lock; a second live run on the same `what` is refused instead of interleaving
+    writes with the first. Taking a lock this process already holds is a no-op."""
+    lock_path = Path(lock_path)
+    key = str(lock_path.resolve())
+    if key in _HELD:
+        return
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown pid"
+        os.close(fd)
+        raise LockedError(f"{what} is in use by another run ({holder}, lock file {lock_path}): wait for it to "
+                          f"finish or stop it, or use another output folder") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _HELD[key] = fd

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -262,7 +263,11 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 def _read_with_bases(path: Path, seen: tuple) -> dict:
     if path in seen:
         raise RecipeError(f"recipe base cycle: {' -> '.join(str(p) for p in seen + (path,))}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        with open(path) as handle:  # a stream, so that YAML's own messages name the file and line
+            data = yaml.safe_load(handle) or {}
+    except yaml.YAMLError as err:
+        raise RecipeError(f"{path} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{path} must hold a mapping of keys, got {type(data).__name__}")
     bases = data.pop("base", [])
@@ -294,7 +299,13 @@ def _apply_override(raw: dict, item: str) -> None:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise RecipeError(f"--set {dotted}: '{key}' is not a section")
-    node[keys[-1]] = yaml.safe_load(text) if text.strip() else ""
+    try:
+        node[keys[-1]] = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at column {mark.column + 1}" if mark is not None else ""
+        raise RecipeError(f"--set {item}: the value is not valid YAML ({getattr(err, 'problem', None) or err}"
+                          f"{where}); quote it or fix its brackets") from None
 
 
 def _build(cls, raw: Any, prefix: str, errors: list[str]):
@@ -357,9 +368,20 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _non_finite(obj, prefix: str = "") -> list[str]:
+    """Dotted keys of every NaN/inf float in the recipe (`--set train.lr=nan` parses, and would train on NaN)."""
+    if dataclasses.is_dataclass(obj):
+        return [k for f in dataclasses.fields(obj) for k in _non_finite(getattr(obj, f.name), f"{prefix}{f.name}.")]
+    if isinstance(obj, list):
+        return [k for i, v in enumerate(obj) for k in _non_finite(v, f"{prefix.rstrip('.')}[{i}].")]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return [prefix.rstrip(".")]
+    return []
+
+
 def _check_values(recipe: Recipe) -> None:
-    """Range and cross-field checks, named by dotted key."""
-    problems = []
+    """Range and cross-field checks, named by dotted key; each message says what a valid value is."""
+    problems = [f"{k} must be a finite number, got {_get(recipe, k)}" for k in _non_finite(recipe)]
     positive = {
         "data.num_prompts": recipe.data.num_prompts,
         "data.max_length": recipe.data.max_length,
@@ -372,9 +394,45 @@ def _check_values(recipe: Recipe) -> None:
         "draft.block_size": recipe.draft.block_size,
         "train.max_steps": recipe.train.max_steps,
         "train.global_batch_size": recipe.train.global_batch_size,
+        "train.micro_batch_size": recipe.train.micro_batch_size,
+        "train.save_every": recipe.train.save_every,
+        "train.log_every": recipe.train.log_every,
+        "train.lr": recipe.train.lr,
+        "train.max_grad_norm": recipe.train.max_grad_norm,
+        "train.adam_eps": recipe.train.adam_eps,
+        "loss.loss_decay_gamma": recipe.loss.loss_decay_gamma,
+        "loss.step_loss_decay": recipe.loss.step_loss_decay,
+        "regen.max_concurrency": recipe.regen.max_concurrency,
+        "regen.request_timeout_s": recipe.regen.request_timeout_s,
+        "draft.num_anchors": recipe.draft.num_anchors,
+        "draft.ttt_length": recipe.draft.ttt_length,
         "eval.num_samples": recipe.eval.num_samples,
+        "eval.max_new_tokens": recipe.eval.max_new_tokens,
+        "opd.rollout_records": recipe.opd.rollout_records,
+        "opd.steps_per_round": recipe.opd.steps_per_round,
+        "opd.lr": recipe.opd.lr,
+        "data.sources[].weight": min((s.weight for s in recipe.data.sources), default=1.0),
     }
+    if recipe.draft.draft_vocab_size is not None:
+        positive["draft.draft_vocab_size"] = recipe.draft.draft_vocab_size
     problems += [f"{k} must be > 0, got {v}" for k, v in positive.items() if v <= 0]
+    if not 0.0 < recipe.regen.top_p <= 1.0:
+        problems.append(f"regen.top_p must be in (0, 1] (a probability mass; 1 = no nucleus cut), "
+                        f"got {recipe.regen.top_p}")
+    if recipe.regen.top_k < -1:
+        problems.append(f"regen.top_k must be >= 1, or 0 / -1 for no top-k cut, got {recipe.regen.top_k}")
+    for key in ("regen.temperature", "eval.temperature", "train.weight_decay", "loss.ce_alpha", "loss.l1_alpha",
+                "loss.conf_alpha", "loss.soft_ce_alpha", "loss.ce_warmup_steps", "data.min_loss_tokens", "opd.rounds"):
+        if _get(recipe, key) < 0:
+            problems.append(f"{key} must be >= 0, got {_get(recipe, key)}")
+    if not 0.0 <= recipe.train.warmup_ratio <= 1.0:
+        problems.append(f"train.warmup_ratio must be in [0, 1] (a fraction of train.max_steps), "
+                        f"got {recipe.train.warmup_ratio}")
+    for key in ("train.adam_beta1", "train.adam_beta2"):
+        if not 0.0 <= _get(recipe, key) < 1.0:
+            problems.append(f"{key} must be in [0, 1), got {_get(recipe, key)}")
+    if any(i < 0 for i in recipe.target.layer_ids):
+        problems.append(f"target.layer_ids must be decoder layer indices >= 0, got {recipe.target.layer_ids}")
     if not 0.0 <= recipe.data.holdout_fraction < 1.0:
         problems.append(f"data.holdout_fraction must be in [0, 1), got {recipe.data.holdout_fraction}")
     if not recipe.data.sources:
@@ -385,6 +443,8 @@ def _check_values(recipe: Recipe) -> None:
         problems.append(f"target.layer_ids has duplicates: {recipe.target.layer_ids}")
     if recipe.regen.backend == "openai" and not recipe.regen.server_urls:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
+    problems += [f"regen.server_urls[{i}]: {url!r} is not an http(s) URL; write it as http://host:port"
+                 for i, url in enumerate(recipe.regen.server_urls) if not url.startswith(("http://", "https://"))]
     non_negative = {"draft.markov_rank": recipe.draft.markov_rank,
                     "train.keep_checkpoints": recipe.train.keep_checkpoints}
     problems += [f"{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
@@ -395,3 +455,10 @@ def _check_values(recipe: Recipe) -> None:
                         f"ZeRO-3 is not supported (the loss reads the lm_head outside the forward); use 2")
     if problems:
         raise RecipeError(f"recipe '{recipe.name}' is invalid:\n  " + "\n  ".join(problems))
+
+
+def _get(recipe: Recipe, dotted: str):
+    node = recipe
+    for key in dotted.replace("[", ".[").split("."):
+        node = node[int(key[1:-1])] if key.startswith("[") else getattr(node, key)
+    return node

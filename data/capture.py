@@ -162,7 +162,9 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
                                  recipe.cache.batch_size, dtype, bar)
         writer.write_shard(s, _with_fault(records, s))
     bar.close()
-    elapsed = dist.max(time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    dist.wait()  # ranks finish their shards at different times: the long timeout, then the per-step collectives
+    elapsed = dist.max(elapsed)
     done_tokens, = dist.sum(todo_tokens)
     dist.barrier()
     if dist.is_main:
@@ -173,7 +175,7 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
         stage.mark_done(out_dir, stats)
         print(f"[cache] {stats['records']} records, {stats['tokens']} tokens, {per_token} B/token, "
               f"{format_bytes(stats['total_bytes'])} on disk; {stage.throughput_line(stats)}", flush=True)
-    dist.barrier()
+    dist.wait()  # rank 0 finalized the whole cache meanwhile
     return stage.read_done(out_dir)
 
 

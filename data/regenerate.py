@@ -246,6 +246,7 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
         fault_point("regenerate", k)
     bar.close()
     elapsed = time.perf_counter() - start
+    dist.wait()  # ranks finish their chunks hours apart: the long timeout, then the per-step collectives
     total_tokens, = dist.sum(num_tokens)
     elapsed = dist.max(elapsed)
     dist.barrier()
@@ -256,7 +257,7 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
         stage.mark_done(out_dir, stats)
         print(f"[regenerate] {stats['records']} conversations, {stats['errors']} failed, "
               f"{stats['generated_tokens']} answer tokens; {stage.throughput_line(stats)}", flush=True)
-    dist.barrier()
+    dist.wait()  # rank 0 merged every chunk meanwhile
     return stage.read_done(out_dir)
 
 

@@ -326,6 +326,8 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
                                 f"({CONFIG_NAME} + {WEIGHTS_NAME})")
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
+    if out_dir.exists() or out_dir.is_symlink():
+        _check_replaceable(out_dir)
     detected = detect_algorithm(cfg)
     algorithm = algorithm or detected
     if algorithm not in ALGORITHMS:
@@ -366,10 +368,30 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
             shutil.copyfile(sts, tmp / STS_FILENAME)
         if sps.is_file() and algorithm == "dspark":
             shutil.copyfile(sps, tmp / SPS_FILENAME)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        for name in _COPIED_FILES:
             if (checkpoint_dir / name).is_file():
                 shutil.copyfile(checkpoint_dir / name, tmp / name)
     return out_dir
+
+
+_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+#: everything an export folder can hold: --overwrite replaces a folder holding nothing else.
+EXPORT_FILES = frozenset((CONFIG_NAME, WEIGHTS_NAME, STS_FILENAME, SPS_FILENAME) + _COPIED_FILES)
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    """--overwrite replaces an earlier export, never anything else that --out happens to name (a run folder with
+    its cache and checkpoints, a home directory): those hold files an export never writes."""
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise FileExistsError(f"--overwrite replaces an export folder, and {out_dir} is "
+                              f"{'a link' if out_dir.is_symlink() else 'not a folder'}: choose another --out")
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
+                     if p.name not in EXPORT_FILES or not p.is_file() or p.is_symlink())
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(f"--overwrite replaces only an export folder ({', '.join(sorted(EXPORT_FILES))}), "
+                              f"and {out_dir} also holds {shown}: not deleting it. Choose another --out, or "
+                              f"remove that folder yourself if it really is to go")
 
 
 def run_export_stage(draft_dir: Path, export_dir: Path, target_name: str, sts_path: Path | None,

@@ -13,6 +13,7 @@ from pathlib import Path
 # `python export/main.py` puts export/ first on sys.path; the project root must come first.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from core.io import LockedError, lock_for_process  # noqa: E402
 from export.convert import export_draft  # noqa: E402
 from export.serving import ALGORITHMS, ENGINES, serve_command  # noqa: E402
 
@@ -40,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
     try:
+        # beside --out, not in it: the export replaces the whole folder
+        lock_for_process(args.out.parent / f".{args.out.name}.lock", f"--out {args.out}")
         out = export_draft(args.checkpoint, args.to, args.out, algorithm=args.algorithm, sts_path=args.sts,
                            sps_path=args.sps, verifier=args.verifier, overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, LockedError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
         return 2
     print(out)

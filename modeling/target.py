@@ -116,6 +116,19 @@ def target_hidden_size(name_or_path: str) -> int:
     return getattr(config, "text_config", config).hidden_size
 
 
+def target_shape(name_or_path: str) -> dict | None:
+    """The target's decoder layer count and vocabulary size from its config alone (no weights); None when the config
+    cannot be read here (a hub id not in the local cache while offline): the stages check them on the loaded model."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_target(name_or_path))
+    except (OSError, ValueError):
+        return None
+    text = getattr(config, "text_config", config)
+    return {"num_layers": getattr(text, "num_hidden_layers", None), "vocab_size": getattr(text, "vocab_size", None)}
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
     backbone = getattr(model, "model", model)
     layers = getattr(backbone, "layers", None)

@@ -100,17 +100,19 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     assert f"tau = {report['accept_len']:.3f}" in done.stdout
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_kill_and_resume_continues_bit_exact(zero_stage, prepared, tiny_qwen3, prompt_file, tmp_path):
+@pytest.mark.parametrize("zero_stage,kill_at", [(0, "train:3"), (2, "train:3"), (0, "train-save:4")])
+def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, tiny_qwen3, prompt_file, tmp_path):
     clean, crashed = copy_run(prepared, "dspark", tmp_path / "clean"), copy_run(prepared, "dspark", tmp_path / "crash")
     extra = {"train.zero_stage": zero_stage}
     assert run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, clean, **extra)).returncode == 0
     # keep_checkpoints is not a result-changing setting: the resumed run may use another value (the default 2)
     killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra,
                                 **{"train.keep_checkpoints": 1}),
-                     {"DRAFTSMITH_KILL_AT": "train:3"})
+                     {"DRAFTSMITH_KILL_AT": kill_at})
     assert killed.returncode == -9
     assert (crashed / "train" / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    half = crashed / "train" / "checkpoints" / "step-0000004"
+    assert half.is_dir() == (kill_at == "train-save:4") and not (half / "trainer_state.pt").exists()
     resumed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
@@ -185,3 +187,40 @@ def test_eval_and_export_stages_run_again_when_their_inputs_change(prepared, tin
     assert "draft_sha256" in printed and "eval is complete" not in printed.replace(str(out / "eval"), "eval")
     exported = load_file(str(out / "export" / "sglang" / "model.safetensors"))
     assert torch.equal(exported["fc.weight"], weights["fc.weight"])
+
+
+def test_kill_after_the_final_save_resumes_to_done(prepared, tiny_qwen3, prompt_file, tmp_path):
+    out = copy_run(prepared, "dspark", tmp_path / "run")
+    killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out), {"DRAFTSMITH_KILL_AT": "train:6"})
+    assert killed.returncode == -9
+    assert (out / "train" / "checkpoints" / "latest").read_text().strip() == "step-0000006"
+    resumed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    done = json.loads((out / "train" / "DONE.json").read_text())
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    no_step = lambda row: {k: v for k, v in row.items() if k != "step"}  # noqa: E731
+    assert done["last"] == no_step(rows[-1]) and done["first"] == no_step(rows[0])  # the real last step's metrics
+    assert (out / "train" / "final" / "model.safetensors").is_file()
+
+
+def test_resume_refuses_a_missing_latest_target_and_survives_a_cut_off_metrics_line(prepared, tiny_qwen3,
+                                                                                      prompt_file, tmp_path):
+    out = copy_run(prepared, "dspark", tmp_path / "run")
+    args = train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out)
+    assert run_cli(args, {"DRAFTSMITH_KILL_AT": "train:3"}).returncode == -9
+    ckpt = out / "train" / "checkpoints"
+    log = out / "train" / "metrics.jsonl"
+    with open(log, "a") as handle:
+        handle.write('{"step": 4, "lo')  # the kill (or a full disk) cut the last append short
+    before = log.read_bytes()
+    (ckpt / "step-0000002").rename(ckpt / "moved-away")
+    refused = run_cli(args)
+    assert refused.returncode != 0
+    assert f"{ckpt / 'step-0000002'}, which is missing" in refused.stderr
+    assert log.read_bytes() == before and not (out / "train" / "DONE.json").exists()  # nothing restarted at 0
+    (ckpt / "moved-away").rename(ckpt / "step-0000002")
+    resumed = run_cli(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "dropping its cut-off last line" in resumed.stdout
+    assert [r["step"] for r in metrics(out)] == list(range(1, 7))

@@ -16,9 +16,12 @@ Exactness rules, so a run killed at any step and rerun continues with the very s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import pickle
+import re
 import shutil
 import time
 from contextlib import nullcontext
@@ -28,10 +31,10 @@ import torch
 from tqdm.auto import tqdm
 
 from core import stage
-from core.io import atomic_write_text, publish_dir
+from core.io import atomic_write_text, publish_dir, sync_tree
 from modeling.registry import draft_digest, load_draft_model
 from train.algorithms import attach_hidden, get_algorithm
-from core.dist import Dist, fault_point
+from core.dist import Dist, fault_point, init_process_group, process_group_backend
 from core.recipe import recipe_to_dict
 
 
@@ -62,16 +65,37 @@ def lr_at(step: int, recipe) -> float:
 # --- checkpoints --------------------------------------------------------------------------------------------------
 
 
+CHECKPOINT_NAME = re.compile(r"step-\d{7}")
+
+
+def checkpoint_dir(ckpt_root: Path, step: int) -> Path:
+    return ckpt_root / f"step-{step:07d}"
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The checkpoint `latest` names, None before the first save. The pointer is only ever a plain step-NNNNNNN
+    folder name inside ckpt_root; anything else (a path, a link out, a missing folder) is refused, never guessed
+    around: starting over at step 0 would silently throw away the run's progress and its metrics."""
     pointer = ckpt_root / "latest"
-    if not pointer.is_file():
+    if not pointer.exists() and not pointer.is_symlink():
         return None
-    path = ckpt_root / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    name = pointer.read_text(errors="replace").strip() if pointer.is_file() and not pointer.is_symlink() else None
+    if name is None or not CHECKPOINT_NAME.fullmatch(name):
+        raise ValueError(f"{pointer} must be a file holding a checkpoint folder name like step-0001000, got "
+                         f"{'a link or folder' if name is None else repr(name[:100])}: refusing to resume from it. "
+                         f"Write the name of a complete checkpoint folder of {ckpt_root} into it, or delete "
+                         f"{ckpt_root} to train from step 0")
+    path = ckpt_root / name
+    if path.is_symlink() or not path.is_dir():
+        raise FileNotFoundError(f"{pointer} names {path}, which is {'a link' if path.is_symlink() else 'missing'}: "
+                                f"refusing to restart from step 0 over the run's metrics. Restore that folder, point "
+                                f"{pointer} at another complete checkpoint, or delete {ckpt_root} to train from "
+                                f"step 0")
+    return path
 
 
 def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist: Dist, extra: dict) -> Path:
-    path = ckpt_root / f"step-{step:07d}"
+    path = checkpoint_dir(ckpt_root, step)
     if dist.is_main:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -81,34 +105,80 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
         torch.save({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
     if dist.is_main:
         module.save_draft(path / "draft")
+        fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last one
         torch.save({"step": step, "model": module.state_dict(), **extra},
                    path / "trainer_state.pt")
     dist.barrier()
     if dist.is_main:
+        # On the disk before `latest` names it (and before pruning deletes the older ones): after a power cut,
+        # `latest` never points at files still in the page cache only.
+        sync_tree(path)
         atomic_write_text(ckpt_root / "latest", path.name + "\n")
     dist.barrier()
     return path
 
 
 def prune_checkpoints(ckpt_root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` step folders (0 keeps all). Called only after `latest` names a complete
-    newer checkpoint, so a crash mid-delete still leaves one to resume from; a half-deleted old folder is just
-    deleted again next time."""
-    steps = sorted(p for p in ckpt_root.glob("step-*") if p.is_dir())
-    stale = steps[:-keep] if keep > 0 else []
+    """Delete all but the newest `keep` complete step folders (0 keeps all): those up to the one `latest` names,
+    never that one, never a newer (half-written) one. Called only after `latest` names a complete newer checkpoint,
+    so a crash mid-delete still leaves one to resume from; a half-deleted old folder is just deleted again next
+    time."""
+    latest = latest_checkpoint(ckpt_root)
+    if latest is None or keep <= 0:
+        return []
+    steps = sorted(p for p in ckpt_root.iterdir()
+                   if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and p.name <= latest.name)
+    stale = steps[:-keep]
     for path in stale:
         shutil.rmtree(path)
     return stale
 
 
+def load_tensors(path: Path, map_location="cpu") -> dict:
+    """torch.load of a file we wrote (tensors, numbers, strings, lists, dicts) without unpickling anything else: a
+    checkpoint from a shared or copied run folder must not be able to run code."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{path} holds more than tensors and plain values, refused (unpickling it could run code); "
+                         f"it is not a checkpoint this trainer wrote. Delete its checkpoint folder and write the name "
+                         f"of another one into the checkpoints' `latest` file. ({str(err).splitlines()[0]})") from None
+    except (RuntimeError, EOFError) as err:  # torch names no file when the zip is cut short or damaged
+        raise ValueError(f"{path} is unreadable (truncated or corrupt: {str(err).splitlines()[0]}). Delete its "
+                         f"checkpoint folder and write the name of an older one into the checkpoints' `latest` "
+                         f"file, or delete the checkpoints to train from step 0") from None
+
+
+#: the classes DeepSpeed ZeRO-1/2 pickles into its optimizer states besides tensors and plain values
+DEEPSPEED_CHECKPOINT_CLASSES = ("deepspeed.utils.tensor_fragment.fragment_address",
+                                "deepspeed.runtime.zero.config.ZeroStageEnum",
+                                "deepspeed.runtime.fp16.loss_scaler.LossScaler")
+
+
+def _safe_deepspeed_loads(ds_engine) -> None:
+    """DeepSpeed's checkpoint engine unpickles with weights_only=False: load its files with weights_only=True
+    instead, allowing only the few DeepSpeed classes its ZeRO-1/2 states hold."""
+    import importlib
+
+    classes = [getattr(importlib.import_module(module), name)
+               for module, name in (dotted.rsplit(".", 1) for dotted in DEEPSPEED_CHECKPOINT_CLASSES)]
+
+    def load(path, map_location=None):
+        with torch.serialization.safe_globals(classes):
+            return load_tensors(Path(path), map_location)
+
+    ds_engine.checkpoint_engine.load = load
+
+
 def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
-    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    state = load_tensors(path / "trainer_state.pt")
     if engine.kind == "deepspeed":
+        _safe_deepspeed_loads(engine.module)
         engine.module.load_checkpoint(str(path), tag="zero", load_optimizer_states=True,
                                       load_lr_scheduler_states=False)
     else:
         module.load_state_dict(state["model"])
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)["optimizer"])
+        optimizer.load_state_dict(load_tensors(path / "optimizer.pt")["optimizer"])
     return state
 
 
@@ -169,7 +239,9 @@ class Engine:
                 for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                                    ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
                     os.environ.setdefault(key, value)
-            deepspeed.init_distributed(dist_backend="gloo" if dist.device.type == "cpu" else "nccl")
+                # Our group, not DeepSpeed's own NCCL-only one with its own timeout: CPU collectives need gloo too.
+                init_process_group(dist.device)
+            deepspeed.init_distributed(dist_backend=process_group_backend(dist.device))
             self.module, self.optimizer, _, _ = deepspeed.initialize(model=module, model_parameters=self.params,
                                                                      config=config)
         else:
@@ -216,6 +288,33 @@ class Engine:
 # --- logging ------------------------------------------------------------------------------------------------------
 
 
+def wandb_run_id(recipe_name: str, out_dir: Path) -> str:
+    """The same id in every process for one run folder (Python's hash() of a str is salted per process), so a
+    resumed run continues its wandb run instead of starting a new one."""
+    digest = hashlib.sha256(str(Path(out_dir).resolve()).encode()).hexdigest()[:8]
+    return f"{recipe_name}-{digest}"
+
+
+def read_metrics_lines(path: Path) -> list[str]:
+    """The rows of metrics.jsonl. A last line cut short (a kill or a full disk mid-append) is dropped: its step is
+    recomputed after the checkpoint anyway. A broken line before the end is corruption, named with its line."""
+    lines = path.read_text(errors="replace").splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not a {\"step\": N, ...} row")
+        except ValueError as err:
+            if number == len(lines):
+                print(f"[train] {path}: dropping its cut-off last line {number} ({line[:60]!r})", flush=True)
+                break
+            raise ValueError(f"{path}: line {number} is not a metrics row ({err}): the file is corrupt; delete it "
+                             f"(the run resumes from its checkpoint and logs the steps from there)") from None
+        rows.append(line)
+    return rows
+
+
 class Logger:
     """metrics.jsonl (every step) + tensorboard + wandb (offline unless WANDB_MODE says otherwise), rank 0 only."""
 
@@ -227,7 +326,7 @@ class Logger:
             return
         # Drop steps after the checkpoint we resume from: they are about to be recomputed.
         if self.path.is_file():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            kept = [line for line in read_metrics_lines(self.path) if json.loads(line)["step"] <= resume_step]
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         from torch.utils.tensorboard import SummaryWriter
 
@@ -237,7 +336,7 @@ class Logger:
 
             self.wandb = wandb.init(project=recipe.train.wandb_project, name=recipe.name, dir=str(out_dir),
                                     mode=os.environ.get("WANDB_MODE", "offline"), config=recipe_to_dict(recipe),
-                                    resume="allow", id=f"{recipe.name}-{abs(hash(str(out_dir.resolve()))) % 10**8}")
+                                    resume="allow", id=wandb_run_id(recipe.name, out_dir))
 
     def log(self, step: int, metrics: dict, to_dashboards: bool) -> None:
         if not self.enabled:
@@ -300,12 +399,13 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
 
     ckpt_root = out_dir / "checkpoints"
-    start_step, first = 0, None
+    start_step, first, last = 0, None, {}
     resume = latest_checkpoint(ckpt_root)
     if resume is not None:
         state = load_checkpoint(engine, module, engine.optimizer, resume)
         start_step = state["step"]
         first = state.get("first_metrics")
+        last = state.get("last_metrics") or {}  # killed after the final save: the loop below does not run
         dist.print(f"[train] resuming from {resume} (step {start_step})")
     dist.print(f"[train] {recipe.family}: {trainable / 1e6:.2f}M trainable parameters, {len(cache)} conversations "
                f"(hidden states: {train.hidden_states}), {train.max_steps} steps × {train.global_batch_size} sequences "
@@ -323,7 +423,6 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
     autocast = (torch.autocast(dist.device.type, dtype=torch.bfloat16)
                 if precision(recipe, dist) == "bf16" and not weights_bf16 else nullcontext())
     bar = tqdm(total=train.max_steps, initial=start_step, desc="train", unit="step", disable=not dist.is_main)
-    last = {}
     for step in range(start_step, train.max_steps):
         t0 = time.perf_counter()
         # --- cut this rank's micro-batches of the global batch, and the global loss denominator
@@ -378,7 +477,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('tau', 0):.2f}", tok_s=f"{tokens / elapsed:.0f}")
         if (step + 1) % train.save_every == 0 or step + 1 == train.max_steps:
-            save_checkpoint(engine, module, engine.optimizer, step + 1, ckpt_root, dist, {"first_metrics": first})
+            save_checkpoint(engine, module, engine.optimizer, step + 1, ckpt_root, dist, {"first_metrics": first, "last_metrics": last})
             if dist.is_main:
                 prune_checkpoints(ckpt_root, train.keep_checkpoints)
         fault_point("train", step + 1)
@@ -389,8 +488,9 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
     if dist.is_main:
         _export_final(final, out_dir)
         stage.mark_done(out_dir, stats)
-        tau = "tau" in (first or {})
-        print(f"[train] done: loss {first['loss']:.4f} -> {last['loss']:.4f}"
+        tau = "tau" in (first or {}) and "tau" in last
+        loss = f"loss {first['loss']:.4f} -> {last['loss']:.4f}" if first and last else "no step metrics kept"
+        print(f"[train] done: {loss}"
               + (f", training tau estimate {first['tau']:.3f} -> {last['tau']:.3f}" if tau else ""), flush=True)
     dist.barrier()
     return stats

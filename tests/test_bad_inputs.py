@@ -1,0 +1,73 @@
+"""Bad input drill: every value below used to be accepted and to fail late (after regeneration, after training) or
+never. Each is now refused by `train/main.py` before anything is loaded or written, with exit code 2 and a message
+that names the key (or file) and what a valid value is."""
+
+import pytest
+
+from conftest import tiny_overrides
+from pipeline import main
+
+# (--set overrides, --stages, fragments the error must hold)
+CASES = [
+    ({"train.micro_batch_size": 0}, "train", ["train.micro_batch_size must be > 0, got 0"]),
+    ({"train.save_every": 0}, "train", ["train.save_every must be > 0, got 0"]),
+    ({"train.log_every": 0}, "train", ["train.log_every must be > 0, got 0"]),
+    ({"loss.loss_decay_gamma": 0}, "train", ["loss.loss_decay_gamma must be > 0, got 0.0"]),
+    ({"train.lr": "nan"}, "train", ["train.lr must be a finite number, got nan"]),
+    ({"train.lr": "-1.0e-4"}, "train", ["train.lr must be > 0"]),
+    ({"train.max_grad_norm": ".inf"}, "train", ["train.max_grad_norm must be a finite number, got inf"]),
+    ({"train.warmup_ratio": 2}, "train", ["train.warmup_ratio must be in [0, 1]"]),
+    ({"train.adam_beta2": 1}, "train", ["train.adam_beta2 must be in [0, 1)"]),
+    ({"regen.top_p": 7}, "regenerate", ["regen.top_p must be in (0, 1]", "got 7"]),
+    ({"regen.top_k": -5}, "regenerate", ["regen.top_k must be >= 1, or 0 / -1"]),
+    ({"regen.temperature": -0.5}, "regenerate", ["regen.temperature must be >= 0"]),
+    ({"regen.max_concurrency": 0}, "regenerate", ["regen.max_concurrency must be > 0, got 0"]),
+    ({"regen.backend": "openai", "regen.server_urls": "[localhost:30000]"}, "regenerate",
+     ["regen.server_urls[0]: 'localhost:30000' is not an http(s) URL"]),
+    ({"regen.request_timeout_s": 0}, "regenerate", ["regen.request_timeout_s must be > 0"]),
+    ({"draft.num_anchors": 0}, "train", ["draft.num_anchors must be > 0, got 0"]),
+    ({"loss.ce_alpha": -1}, "train", ["loss.ce_alpha must be >= 0"]),
+    ({"target.layer_ids": "[1, -3]"}, "cache", ["target.layer_ids must be decoder layer indices >= 0"]),
+    # checked against the target's config (40 layers), before regeneration rather than after it
+    ({"target.layer_ids": "[1, 8, 99]"}, "regenerate,cache",
+     ["target.layer_ids [1, 8, 99]: [99] out of range", "40 decoder layers (valid ids 0..39)"]),
+    ({"draft.mask_token_id": 10**7}, "train", ["draft.mask_token_id 10000000 is outside the target vocabulary"]),
+    # an eval set named wrong used to be found only after training
+    ({"eval.dataset": "mtbenhc"}, "train,eval", ["eval.dataset: unknown prompt source 'mtbenhc'",
+                                                "Did you mean 'mtbench'?"]),
+    ({"eval.dataset": "/nonexistent/eval.jsonl"}, "eval", ["eval.dataset: file /nonexistent/eval.jsonl not found"]),
+    ({"data.sources": "[{name: /nonexistent/prompts.jsonl}]"}, "regenerate",
+     ["data.sources[0]: file /nonexistent/prompts.jsonl not found"]),
+    ({"data.sources": "[{name: sharegpt, weight: -1}]"}, "regenerate", ["data.sources[].weight must be > 0"]),
+    ({"train.global_batch_size": 5, "train.micro_batch_size": 2}, "train",
+     ["train.global_batch_size=5 must be a multiple of train.micro_batch_size × ranks = 2 × 1"]),
+    ({"train.lr": "[1"}, "train", ["--set train.lr=[1: the value is not valid YAML", "column"]),
+    ({"opd.steps_per_round": 0}, "train,opd", ["opd.steps_per_round must be > 0, got 0"]),
+    # opd replays greedy rollouts: sampled answers are refused before the train stage, not after it
+    ({"opd.rounds": 2, "regen.temperature": 0.7}, "train,opd", ["opd.rounds 2 replays greedy rollouts",
+                                                                "regen.temperature 0"]),
+    ({"train.hidden_states": "disk"}, "train", ["train.hidden_states"]),
+]
+
+
+@pytest.mark.parametrize("sets,stages,fragments", CASES, ids=[next(iter(c[0])) + "=" + str(next(iter(c[0].values())))
+                                                              for c in CASES])
+def test_bad_value_is_refused_before_any_work(sets, stages, fragments, tiny_qwen3, prompt_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["--recipe", "dspark_qwen3_8b", "--stages", stages, "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file, **sets))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for fragment in fragments:
+        assert fragment in err, err
+    assert not out.exists()  # nothing half-written, nothing marked done
+
+
+def test_malformed_yaml_names_the_file(tmp_path, capsys):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("family: dspark\ntrain: {max_steps: 10\n")
+    out = tmp_path / "run"
+    assert main(["--recipe", str(recipe), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{recipe} is not valid YAML" in err and f'in "{recipe}", line 2' in err and "<unicode string>" not in err
+    assert not out.exists()

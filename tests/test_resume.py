@@ -1,0 +1,177 @@
+"""Resume safety of the trainer's checkpoints, without training: the `latest` pointer is a plain step folder name or
+refused, checkpoint files load without unpickling code, checkpoints reach the disk before `latest` names them,
+pruning never deletes what `latest` names, metrics.jsonl survives a cut-off last line, the wandb run id is stable
+across processes. (The end-to-end resumes are in tests/test_trainer.py.)"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train.trainer as trainer
+from conftest import ROOT
+from core.dist import Dist
+
+
+def make_checkpoints(root: Path, steps, latest=None):
+    for step in steps:
+        (root / f"step-{step:07d}").mkdir(parents=True)
+        (root / f"step-{step:07d}" / "trainer_state.pt").write_bytes(b"x")
+    if latest is not None:
+        (root / "latest").write_text(latest + "\n")
+
+
+def test_latest_pointer_is_a_plain_step_name_inside_the_checkpoint_folder(tmp_path):
+    root = tmp_path / "checkpoints"
+    make_checkpoints(root, [2, 4], latest="step-0000004")
+    assert trainer.latest_checkpoint(root) == root / "step-0000004"
+    (tmp_path / "elsewhere").mkdir()
+    for bad in ("../elsewhere", str(tmp_path / "elsewhere"), "step-4", "step-0000004/../step-0000002", ""):
+        (root / "latest").write_text(bad + "\n")
+        with pytest.raises(ValueError, match="step-0001000") as err:
+            trainer.latest_checkpoint(root)
+        assert str(root / "latest") in str(err.value)
+    # a link named like a checkpoint, pointing out of the folder
+    (root / "latest").write_text("step-0000006\n")
+    (root / "step-0000006").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileNotFoundError, match="a link"):
+        trainer.latest_checkpoint(root)
+
+
+def test_latest_naming_a_missing_folder_fails_naming_it(tmp_path):
+    root = tmp_path / "checkpoints"
+    make_checkpoints(root, [2], latest="step-0000004")
+    with pytest.raises(FileNotFoundError) as err:
+        trainer.latest_checkpoint(root)
+    assert str(root / "step-0000004") in str(err.value) and "delete" in str(err.value)
+    assert trainer.latest_checkpoint(tmp_path / "none-yet") is None
+
+
+class Payload:
+    """Unpickling this runs code (touches a file): what a crafted checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_checkpoint_files_load_without_running_code(tmp_path):
+    ckpt, marker = tmp_path / "step-0000002", tmp_path / "code-ran"
+    ckpt.mkdir()
+    module = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(module.parameters())
+    module(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    engine = SimpleNamespace(kind="ddp")
+    # what the trainer writes loads with weights_only=True
+    torch.save({"step": 2, "model": module.state_dict(), "first_metrics": {"loss": 1.0, "accept_rate": [0.5]},
+                "last_metrics": {"loss": 0.5}}, ckpt / "trainer_state.pt")
+    torch.save({"optimizer": optimizer.state_dict()}, ckpt / "optimizer.pt")
+    fresh = torch.nn.Linear(2, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    state = trainer.load_checkpoint(engine, fresh, fresh_opt, ckpt)
+    assert state["step"] == 2 and torch.equal(fresh.weight, module.weight)
+    assert fresh_opt.state_dict()["state"][0]["step"] == 1
+    # a crafted file is refused, naming it, and its code never runs
+    for name in ("trainer_state.pt", "optimizer.pt"):
+        good = (ckpt / name).read_bytes()
+        torch.save({"step": 2, "model": module.state_dict(), "optimizer": Payload(marker)}, ckpt / name)
+        with pytest.raises(ValueError, match="could run code") as err:
+            trainer.load_checkpoint(engine, fresh, fresh_opt, ckpt)
+        assert str(ckpt / name) in str(err.value)
+        assert not marker.exists()
+        (ckpt / name).write_bytes(good[: len(good) // 2])  # cut short (a full disk, a copy that stopped)
+        with pytest.raises(ValueError, match="truncated or corrupt") as err:
+            trainer.load_checkpoint(engine, fresh, fresh_opt, ckpt)
+        assert str(ckpt / name) in str(err.value)
+        (ckpt / name).write_bytes(good)
+
+
+class TinyDraft(torch.nn.Linear):
+    def save_draft(self, folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(b"weights")
+
+
+def test_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_write = os.fsync, trainer.atomic_write_text
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def write(path, text):
+        events.append(("publish", str(path)))
+        return real_write(path, text)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(trainer, "atomic_write_text", write)
+    module = TinyDraft(2, 2)
+    optimizer = torch.optim.AdamW(module.parameters())
+    root = tmp_path / "checkpoints"
+    path = trainer.save_checkpoint(SimpleNamespace(kind="ddp"), module, optimizer, 2, root, Dist(), {})
+    published = events.index(("publish", str(root / "latest")))
+    synced = {p for kind, p in events[:published] if kind == "fsync"}
+    files = {os.path.realpath(p) for p in path.rglob("*")} | {os.path.realpath(path)}
+    assert files and files <= synced, files - synced
+
+
+def test_pruning_keeps_what_latest_names_and_leaves_newer_half_written_folders(tmp_path):
+    root = tmp_path / "checkpoints"
+    # step-6 was being written when the run was killed: `latest` still names step-4
+    make_checkpoints(root, [2, 4, 6], latest="step-0000004")
+    deleted = trainer.prune_checkpoints(root, keep=1)
+    assert [p.name for p in deleted] == ["step-0000002"]
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-0000004", "step-0000006"]
+    assert trainer.prune_checkpoints(root, keep=0) == []
+
+
+def logger_recipe():
+    return SimpleNamespace(name="r", train=SimpleNamespace(wandb_project=None))
+
+
+def test_metrics_with_a_cut_off_last_line_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    path.write_text("\n".join(rows) + '\n{"step": 4, "lo')  # killed (or disk full) mid-append
+    trainer.Logger(tmp_path, logger_recipe(), Dist(), resume_step=2).close()
+    assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
+
+
+def test_metrics_corrupt_before_the_end_is_an_error_naming_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nGARBAGE\n{"step": 3}\n')
+    with pytest.raises(ValueError) as err:
+        trainer.Logger(tmp_path, logger_recipe(), Dist(), resume_step=3)
+    assert f"{path}: line 2" in str(err.value)
+    assert path.read_text() == '{"step": 1}\nGARBAGE\n{"step": 3}\n'  # nothing rewritten
+
+
+def test_wandb_run_id_is_the_same_in_every_process(tmp_path):
+    code = ("import sys; from pathlib import Path; from train.trainer import wandb_run_id; "
+            "print(wandb_run_id('dspark', Path(sys.argv[1])))")
+    ids = {subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONHASHSEED=str(seed)), check=True).stdout.strip()
+           for seed in (1, 2, 3)}
+    assert len(ids) == 1 and ids.pop().startswith("dspark-")
+    assert trainer.wandb_run_id("dspark", tmp_path / "run") != trainer.wandb_run_id("dspark", tmp_path / "other")
+
+
+def test_deepspeed_checkpoints_load_without_running_code(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_load_worker.py"), str(tmp_path / "ckpt"),
+                           str(tmp_path / "code-ran")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, done.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT "):])
+    assert result["step"] == 1 and result["same_weights"]
+    assert "could run code" in result["crafted"] and "optim_states.pt" in result["crafted"]
+    assert not result["code_ran"]
