@@ -393,7 +393,11 @@ def test_init_from_target_and_normalized_fc():
     target = Qwen3ForCausalLM(target_config()).eval()
     ids, hidden, attn = make_batch()
     hidden[..., 3] *= 300.0
-    records = [{"hidden_states": h} for h in hidden]
+    class Records(list):  # the cache interface input_scale reads: records that already carry their states
+        def with_hidden(self, records):
+            return records
+
+    records = Records({"hidden_states": h} for h in hidden)
     scale = input_scale(records)
     assert scale[3] > 100 * scale[4]
     draft = make_model(markov_rank=4)
