@@ -124,14 +124,15 @@ def main(argv=None) -> int:
         print(f"[opd-bench] {family}: held-out tau SFT {tau['sft']:.3f}, SFT+OPD {tau['sft+opd']:.3f}, SFT-long "
               f"{tau['sft-long']:.3f} (+{extra_steps} steps = {spent:.0f} s of OPD compute); "
               f"SFT+OPD / SFT-long {results[family]['opd_vs_sft_long']:.3f}", flush=True)
+        # written after every family: a long run stopped midway keeps the families it finished
+        train_manifest = json.loads((data_run / "cache" / "manifest.json").read_text())
+        result = {"families": results, "sft_steps": args.sft_steps, "opd_rounds": args.opd_rounds,
+                  "opd_steps": args.opd_steps, "rollout_records": args.rollout_records, "nproc": args.nproc,
+                  "train_sources": sources, "train_records": train_manifest["num_records"], "eval_sources": eval_sources,
+                  "num_eval_prompts": len(eval_file.read_text().splitlines()), "max_new_tokens": args.max_new_tokens}
+        (out / "opd.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "opd.md").write_text(markdown(result))
 
-    train_manifest = json.loads((data_run / "cache" / "manifest.json").read_text())
-    result = {"families": results, "sft_steps": args.sft_steps, "opd_rounds": args.opd_rounds,
-              "opd_steps": args.opd_steps, "rollout_records": args.rollout_records, "nproc": args.nproc,
-              "train_sources": sources, "train_records": train_manifest["num_records"], "eval_sources": eval_sources,
-              "num_eval_prompts": len(eval_file.read_text().splitlines()), "max_new_tokens": args.max_new_tokens}
-    (out / "opd.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / "opd.md").write_text(markdown(result))
     print(markdown(result))
     return 0
 
