@@ -61,6 +61,12 @@ class RolloutRecords:
         return self.records.with_hidden(records)
 
 
+def rollout_sample(num_records: int, count: int, seed: int, round_index: int) -> list[int]:
+    """The training conversations round `round_index` rolls out: a seeded sample of `count` (all when fewer)."""
+    order = torch.randperm(num_records, generator=torch.Generator().manual_seed(seed * 1_000_003 + round_index))
+    return order[: min(count, num_records)].tolist()
+
+
 def rollout(draft, records, indices: list[int], gamma: int) -> tuple[list[torch.Tensor], list[int], float]:
     """Replayed greedy rounds over each record's first answer: (round starts per record, accepted per round, tau)."""
     starts, accepted = [], []
@@ -94,8 +100,7 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
     draft_dir, history = Path(train_final), []
     bar = tqdm(total=opd.rounds, desc="opd", unit="round", disable=not dist.is_main)
     for k in range(1, opd.rounds + 1):
-        order = torch.randperm(len(records), generator=torch.Generator().manual_seed(recipe.seed * 1_000_003 + k))
-        indices = order[: min(opd.rollout_records, len(records))].tolist()
+        indices = rollout_sample(len(records), opd.rollout_records, recipe.seed, k)
         t0 = time.perf_counter()
         draft = load_draft_model(draft_dir, get_target(), dtype=torch.float32)
         starts, accepted, tau = rollout(draft, records, indices, gamma)
@@ -112,9 +117,8 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
         bar.update(1)
     bar.close()
     # the last update's effect, on the sample the next round would roll out
-    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(recipe.seed * 1_000_003 + k + 1))
     _, accepted, tau = rollout(load_draft_model(draft_dir, get_target(), dtype=torch.float32), records,
-                               order[: min(opd.rollout_records, len(records))].tolist(), gamma)
+                               rollout_sample(len(records), opd.rollout_records, recipe.seed, opd.rounds + 1), gamma)
     history.append({"round": opd.rounds + 1, "rollout_tau": tau, "rollout_rounds": len(accepted)})
     stats = {"rounds": history, "final": str(out_dir / "final")}
     if dist.is_main:
