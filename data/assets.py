@@ -86,6 +86,8 @@ QWEN3_VOCAB_SIZE = 151936
 #   "<think>\n\n</think>\n\n" when enable_thinking is false;
 # - assistant turns before the last user message lose their <think>...</think> block
 #   (history rewriting), so reasoning is only ever shown for the current turn;
+# - reasoning comes from a message's `reasoning_content` when it has one (as Qwen3's template reads it), else from a
+#   <think>...</think> block at the start of its content;
 # - an assistant turn after the last user message is rendered with a think block, an empty
 #   one when it is the final message and has none, so that a completed non-thinking turn
 #   renders exactly as "generation prompt (enable_thinking=false) + answer".
@@ -99,7 +101,9 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- if message['role'] == 'assistant' -%}"
     "{%- set answer = text -%}"
     "{%- set reasoning = none -%}"
-    "{%- if '</think>' in text -%}"
+    "{%- if message['reasoning_content'] is defined and message['reasoning_content'] is string -%}"
+    "{%- set reasoning = message['reasoning_content'].strip('\\n') -%}"
+    "{%- elif '</think>' in text -%}"
     "{%- set reasoning = text.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
     "{%- set answer = text.split('</think>')[-1].lstrip('\\n') -%}"
     "{%- endif -%}"

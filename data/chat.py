@@ -221,6 +221,7 @@ def tokenize_conversation(
         for m in msgs:
             if m.get("role") == "assistant" and isinstance(m.get("content"), str):
                 m["content"] = strip_think(m["content"])
+                m.pop("reasoning_content", None)  # the templates that read it (Qwen3's) would render it back
 
     full = _render(tokenizer, msgs, add_generation_prompt=False, enable_thinking=enable_thinking)
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
