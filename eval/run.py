@@ -56,6 +56,35 @@ def acceptance_metrics(rounds, gamma: int) -> dict:
     }
 
 
+def round_timing(rounds, gamma: int, *, spec_decode_s: float, spec_tokens: float, target_decode_s: float,
+                 target_tokens: float) -> dict:
+    """Where a round's time goes, and how close the loop comes to its limit (prefill excluded on both sides).
+
+    A round is one draft, one verify of the pending token + the drafts, and the rest (rollback, the drafter taking
+    the accepted tokens). With drafting and the rest free, a round would cost one verify and emit tau tokens, so the
+    best this acceptance allows is tau * step / verify (`tau_limit_speedup`); a perfect drafter (tau = gamma + 1)
+    gives `limit_speedup`. `loop_efficiency` = the measured decode speedup / tau_limit_speedup, i.e. the share of a
+    round spent verifying. step: one plain decode step of the same target, measured in the same run."""
+    n = len(rounds)
+    if not n or not spec_tokens or not target_tokens:
+        return {}
+    draft_ms = 1e3 * sum(r.draft_s for r in rounds) / n
+    verify_ms = 1e3 * sum(r.verify_s for r in rounds) / n
+    round_ms = 1e3 * spec_decode_s / n
+    step_ms = 1e3 * target_decode_s / target_tokens
+    tau = sum(r.accepted + 1 for r in rounds) / n
+    decode_speedup = (spec_tokens / spec_decode_s) * step_ms / 1e3
+    return {
+        "draft_ms": draft_ms, "verify_ms": verify_ms, "other_ms": max(round_ms - draft_ms - verify_ms, 0.0),
+        "round_ms": round_ms, "target_step_ms": step_ms, "verify_tokens": gamma + 1,
+        "verify_vs_step": verify_ms / step_ms, "draft_vs_verify": draft_ms / verify_ms,
+        "decode_speedup": decode_speedup,
+        "limit_speedup": (gamma + 1) * step_ms / verify_ms,
+        "tau_limit_speedup": tau * step_ms / verify_ms,
+        "loop_efficiency": decode_speedup / (tau * step_ms / verify_ms),
+    }
+
+
 def first_turn_ids(tokenizer, prompt, system_prompt: str | None, enable_thinking: bool) -> list[int]:
     """The prompt ids an eval sends: the first user turn, rendered with the training chat-template handling."""
     return render_prompt_ids(tokenizer, build_messages([prompt.turns[0]], [], system_prompt),
@@ -99,6 +128,7 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     baselines = {} if baselines is None else baselines
     samples, rounds = [], []
     spec_time = target_time = spec_tokens = target_tokens = hf_time = hf_tokens = 0.0
+    spec_prefill = target_prefill = 0.0
     for i, prompt in enumerate(tqdm(prompts, desc=f"eval {dataset}", unit="prompt")):
         ids = first_turn_ids(tokenizer, prompt, system_prompt, enable_thinking)
         key = (prompt.id, max_new_tokens, temperature, seed + i)
@@ -111,8 +141,10 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
         result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
                                       temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed + i)
         target_time += reference.wall_s
+        target_prefill += reference.prefill_s
         target_tokens += len(reference.ids)
         spec_time += result.wall_s
+        spec_prefill += result.prefill_s
         spec_tokens += len(result.ids)
         rounds += result.rounds
         samples.append({"id": prompt.id, "accept_len": result.accept_len, "tokens": len(result.ids),
@@ -133,6 +165,8 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     }
     report["speedup"] = (report["spec_tokens_per_s"] / report["target_tokens_per_s"]
                          if report["target_tokens_per_s"] else 0.0)
+    report["timing"] = round_timing(rounds, gamma, spec_decode_s=spec_time - spec_prefill, spec_tokens=spec_tokens,
+                                    target_decode_s=target_time - target_prefill, target_tokens=target_tokens)
     if hf_generate:
         report["hf_generate_tokens_per_s"] = hf_tokens / hf_time if hf_time else 0.0
         report["speedup_vs_generate"] = (report["spec_tokens_per_s"] / report["hf_generate_tokens_per_s"]
@@ -242,6 +276,16 @@ def report_markdown(report: dict) -> str:
              "|---|" + "---|" * k,
              "| accept rate (prefix) | " + " | ".join(f"{v:.3f}" for v in report["accept_rate_at_k"]) + " |",
              "| accept rate (conditional) | " + " | ".join(f"{v:.3f}" for v in report["cond_accept_rate_at_k"]) + " |"]
+    if report.get("timing"):
+        t = report["timing"]
+        lines += ["", "## Where a round's time goes (decode only, prefill excluded)", "",
+                  "| draft ms | verify ms | other ms | round ms | target step ms | verify / step | draft / verify |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| {t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['other_ms']:.1f} | {t['round_ms']:.1f} | "
+                  f"{t['target_step_ms']:.1f} | {t['verify_vs_step']:.2f} | {t['draft_vs_verify']:.2f} |", "",
+                  f"Decode speedup {t['decode_speedup']:.2f}x; with free drafting this tau allows "
+                  f"{t['tau_limit_speedup']:.2f}x (loop efficiency {t['loop_efficiency']:.0%}); a perfect drafter "
+                  f"(tau = {t['verify_tokens']}) {t['limit_speedup']:.2f}x."]
     if "hf_generate_tokens_per_s" in report:
         lines += ["", f"Plain HF `generate` (greedy, batch 1) on the same prompts: {report['hf_generate_tokens_per_s']:.1f} "
                       f"tok/s; speculative decoding is {report['speedup_vs_generate']:.2f}x of it; its output equals the "
@@ -308,4 +352,7 @@ def print_summary(report: dict) -> None:
              if "hf_generate_tokens_per_s" in report else "") + "), accept@k "
           + ", ".join(f"{v:.2f}" for v in report["accept_rate_at_k"])
           + (f"; n-gram drafter tau {report['ngram_baseline']['accept_len']:.3f} ({report['tau_vs_ngram']:.2f}x)"
-             if "ngram_baseline" in report else ""), flush=True)
+             if "ngram_baseline" in report else "")
+          + (f"; a round: draft {t['draft_ms']:.1f} + verify {t['verify_ms']:.1f} + other {t['other_ms']:.1f} ms, "
+             f"{t['loop_efficiency']:.0%} of this tau's limit {t['tau_limit_speedup']:.2f}x"
+             if (t := report.get("timing")) else ""), flush=True)

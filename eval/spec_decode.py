@@ -282,6 +282,20 @@ class NgramDrafter(Drafter):
         return self.last
 
 
+class OracleDrafter(Drafter):
+    """Proposes the target's own greedy continuation of `prompt`, computed beforehand (`continuation`: the output ids),
+    at no draft cost: every draft is accepted at T=0, so a loop run with it measures the loop's own overhead against
+    the (gamma+1)-token verify limit (benchmarks/spec_loop.py)."""
+
+    def __init__(self, prompt: list[int], continuation: list[int], gamma: int = 7):
+        self.prompt_len, self.continuation, self.default_gamma = len(prompt), [int(t) for t in continuation], gamma
+
+    def propose(self, gamma, temperature, generator):
+        done = len(self.tokens) - self.prompt_len  # output tokens already in the sequence
+        self.last = Proposal(self.continuation[done: done + gamma], None, None)
+        return self.last
+
+
 class DraftLMDrafter(Drafter):
     """A small HF causal LM with the target's tokenizer drafts a chain of gamma tokens with its own KV cache.
 
@@ -456,6 +470,7 @@ class GenerationResult:
     ids: list[int]  # generated tokens (prompt excluded); ends with EOS when EOS stopped generation
     rounds: list[RoundRecord] = field(default_factory=list)
     wall_s: float = 0.0  # whole call, prefill included
+    prefill_s: float = 0.0  # the prompt's forward pass alone (the per-token and per-round costs exclude it)
 
     @property
     def accept_len(self) -> float:
@@ -519,6 +534,7 @@ def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | N
             # the same "context < anchor" view as every later round.
             _, hidden = runner.forward(prompt[:-1])
             tokens, done = prompt, False
+        result.prefill_s = sync_clock(device) - start
         drafter.reset(tokens, hidden)
         while not done:
             t0 = sync_clock(device)
@@ -563,6 +579,7 @@ def target_generate(target, prompt_ids, max_new_tokens: int, temperature: float 
     start = sync_clock(device)
     with TargetRunner(target) as runner:
         runner.forward(prompt[:-1])  # same cache layout as speculative_generate: the last token is fed per step
+        result.prefill_s = sync_clock(device) - start
         token = prompt[-1]
         while len(result.ids) < max_new_tokens:
             logits, _ = runner.forward([token])

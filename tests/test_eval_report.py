@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from eval.run import acceptance_metrics, run_eval
+from eval.run import acceptance_metrics, round_timing, run_eval
 from eval.spec_decode import RoundRecord
 from modeling.target import load_target
 from train.algorithms import BlockAlgorithm
@@ -25,6 +25,20 @@ def test_acceptance_metrics_by_hand():
     # conditional: position 2 reached by rounds with >= 1 accepted (2 of them), survived by 1
     assert m["cond_accept_rate_at_k"] == pytest.approx([2 / 3, 1 / 2, 1 / 1])
     assert m["verify_rate"] == pytest.approx(7 / (4 + 4 + 3))
+
+
+def test_round_timing_by_hand():
+    # 2 rounds: draft 10 ms, verify 40 ms, 10 ms rest each; 6 tokens out (tau 3); a plain step costs 20 ms.
+    rounds = [RoundRecord(3, 2, [True, True, False], None, 3, 0, 0.010, 0.040)] * 2
+    t = round_timing(rounds, 3, spec_decode_s=0.120, spec_tokens=6, target_decode_s=0.200, target_tokens=10)
+    assert t["draft_ms"] == pytest.approx(10) and t["verify_ms"] == pytest.approx(40)
+    assert t["other_ms"] == pytest.approx(10) and t["round_ms"] == pytest.approx(60)
+    assert t["target_step_ms"] == pytest.approx(20) and t["verify_vs_step"] == pytest.approx(2)
+    assert t["limit_speedup"] == pytest.approx(4 * 20 / 40)  # gamma + 1 tokens per verify
+    assert t["tau_limit_speedup"] == pytest.approx(3 * 20 / 40)
+    assert t["decode_speedup"] == pytest.approx(6 / 0.120 * 0.020)  # = 1.0
+    assert t["loop_efficiency"] == pytest.approx(40 / 60)  # the share of a round spent verifying
+    assert round_timing([], 3, spec_decode_s=0, spec_tokens=0, target_decode_s=0, target_tokens=0) == {}
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +63,11 @@ def test_eval_writes_the_report_and_is_exact(random_dspark, tiny_qwen3, prompt_f
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["accept_len"] == report["accept_len"]
     assert "| tau |" in (tmp_path / "report.md").read_text()
+    timing = report["timing"]
+    assert timing["draft_ms"] > 0 and timing["verify_ms"] > 0 and timing["target_step_ms"] > 0
+    assert timing["draft_ms"] + timing["verify_ms"] + timing["other_ms"] == pytest.approx(timing["round_ms"])
+    assert 0 < timing["loop_efficiency"] <= 1 and timing["verify_tokens"] == 4
+    assert "Where a round's time goes" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "accept_rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # DSpark's confidence head: STS and SPS files in the schema SGLang reads, nothing else in them
     sts = json.loads((tmp_path / "sts.json").read_text())

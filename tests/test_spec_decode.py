@@ -20,6 +20,7 @@ from eval.spec_decode import (
     Drafter,
     Eagle3Drafter,
     NgramDrafter,
+    OracleDrafter,
     Proposal,
     TargetRunner,
     load_draft,
@@ -33,7 +34,7 @@ from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mappin
 from modeling.target import capture_hidden_states
 from modeling.registry import save_draft
 
-V, H, LAYER_IDS, GAMMA = 300, 64, [0, 1, 3], 4
+V, H, LAYER_IDS, GAMMA = 300, 64, [0, 1, 2], 4
 PROMPTS = [[7], [3, 14, 15, 92, 65], [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]]
 
 
@@ -107,18 +108,17 @@ def make_drafter(name, target) -> Drafter:
     raise KeyError(name)
 
 
-class ScriptedDrafter(Drafter):
-    """Proposes the reference continuation (oracle) or a token that differs from it at every position."""
+class ScriptedDrafter(OracleDrafter):
+    """Proposes the reference continuation (the oracle) or a token that differs from it at every position."""
 
     def __init__(self, prompt, reference, wrong=False):
-        self.prompt_len, self.reference, self.wrong = len(prompt), reference, wrong
+        super().__init__(prompt, reference, GAMMA)
+        self.wrong = wrong
 
     def propose(self, gamma, temperature, generator):
-        done = len(self.tokens) - self.prompt_len
-        tokens = self.reference[done: done + gamma]
+        proposal = super().propose(gamma, temperature, generator)
         if self.wrong:
-            tokens = [(t + 1) % V for t in tokens]
-        self.last = Proposal(tokens, None, None)
+            self.last = proposal._replace(tokens=[(t + 1) % V for t in proposal.tokens])
         return self.last
 
 
