@@ -164,11 +164,16 @@ class DSparkDrafter(Drafter):
         # Markov head: token k's logits depend on the drafted token k-1 (k=1: the anchor), so drafts are drawn left to
         # right (DFlash has no head: draft_logits is lm_head alone). The rnn head carries a state over the whole
         # drafted prefix, hence the prefix recomputation there.
+        # lm_head(h_k) does not depend on the drafted tokens: one pass over the vocabulary matrix for the whole block
+        # (read once per token instead, it cost more than the rest of the draft together).
         rnn = model.markov_head is not None and model.config.markov_head_type == "rnn"
+        base = model.lm_head(h)
         tokens, probs, prev = [], [], [self.tokens[-1]]
         for k in range(h.shape[0]):
-            start = 0 if rnn else k
-            logits = model.draft_logits(h[start: k + 1], torch.tensor(prev[start:], device=device))[-1]
+            logits = base[k]
+            if model.markov_head is not None:
+                start = 0 if rnn else k
+                logits = logits + model.markov_head(h[start: k + 1], torch.tensor(prev[start:], device=device))[-1]
             token, p = pick(logits, temperature, generator)
             tokens.append(token)
             probs.append(p)
