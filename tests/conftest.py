@@ -181,6 +181,16 @@ def vllm_python():
     return path
 
 
+# --- two workers (`make test`: pytest-xdist, --dist loadfile) ------------------------------------------------------
+# The two longest files (~10 min each here) start first, one per worker; the rest fill in around them. A stable sort:
+# the order inside a file does not change.
+LONGEST_FILES = ("test_overfit_gate.py", "test_trainer.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name not in LONGEST_FILES)
+
+
 # --- figures worth seeing in a CI log ------------------------------------------------------------------------------
 # A test records one with `record_property("figure", line)`: properties travel back from xdist workers with the
 # test's report, where a module-level list would not.
