@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.io import atomic_write_json, atomic_write_text  # noqa: E402
 from data.prompts import eval_prompts  # noqa: E402
-from eval.run import first_turn_ids, hf_generate_result, round_timing  # noqa: E402
+from eval.run import acceptance_metrics, first_turn_ids, hf_generate_result, round_timing  # noqa: E402
 from eval.spec_decode import (NgramDrafter, OracleDrafter, load_draft, speculative_generate,  # noqa: E402
                               target_generate)
 from modeling.target import SMOLLM2, load_target, load_tokenizer  # noqa: E402
@@ -55,7 +55,7 @@ def summarise(name: str, results: list, gamma: int, target_decode_s: float, targ
     timing = round_timing(rounds, gamma, spec_decode_s=decode_s, spec_tokens=tokens,
                           target_decode_s=target_decode_s, target_tokens=target_tokens)
     tokens_per_s = tokens / (sum(r.wall_s for r in results) or 1.0)
-    return {"drafter": name, "tau": sum(r.accepted + 1 for r in rounds) / max(len(rounds), 1),
+    return {"drafter": name, "tau": acceptance_metrics(rounds, gamma)["accept_len"],
             "tokens_per_s": tokens_per_s, "speedup_vs_generate": tokens_per_s / hf_tokens_per_s, **timing}
 
 

@@ -161,11 +161,10 @@ class DSparkDrafter(Drafter):
         model = self.model
         h = self.block_states()[:gamma]
         device = h.device
-        # Markov head: token k's logits depend on the drafted token k-1 (k=1: the anchor), so drafts are drawn left to
-        # right (DFlash has no head: draft_logits is lm_head alone). The rnn head carries a state over the whole
-        # drafted prefix, hence the prefix recomputation there.
-        # lm_head(h_k) does not depend on the drafted tokens: one pass over the vocabulary matrix for the whole block
-        # (read once per token instead, it cost more than the rest of the draft together).
+        # draft_logits = lm_head(h_k) + Markov bias from the drafted token k-1 (k=1: the anchor), so drafts are drawn
+        # left to right; the rnn head carries a state over the whole drafted prefix, hence the prefix recomputation
+        # there. lm_head(h_k) does not depend on the drafts: one pass over the vocabulary matrix for the whole block
+        # (once per token, it cost more than the rest of the draft together). DFlash has no head: lm_head alone.
         rnn = model.markov_head is not None and model.config.markov_head_type == "rnn"
         base = model.lm_head(h)
         tokens, probs, prev = [], [], [self.tokens[-1]]
