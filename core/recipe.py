@@ -72,8 +72,9 @@ class DataConfig:
 
 @dataclass
 class RegenConfig:
-    #: hf = in-process batched generation; openai = any OpenAI-compatible server (SGLang, vLLM).
-    backend: Literal["hf", "openai"] = "hf"
+    #: hf = in-process batched generation; openai = any OpenAI-compatible server (SGLang, vLLM); source = keep the
+    #: source's own answers, generating nothing (train with loss.ce_labels: target: the target's labels on that text).
+    backend: Literal["hf", "openai", "source"] = "hf"
     #: several URLs = data parallel over servers (openai backend).
     server_urls: list[str] = field(default_factory=list)
     #: model name sent to the server (default: the target's name_or_path).
@@ -152,6 +153,16 @@ class LossConfig:
     #: recompute each chunk of vocabulary-sized tensors in the backward instead of keeping it (GPU memory); false is
     #: faster where memory is plenty (small drafters on a CPU).
     checkpoint: bool = True
+    #: block drafters' CE label: tokens = the next token of the cached text (the target's own greedy answer after a
+    #: T=0 regeneration); target = the target's argmax there, read from the cached final state (the label a greedy
+    #: target would verify; needed when the text is not the target's, regen.backend: source). Eagle3 always learns the
+    #: target's distribution.
+    ce_labels: Literal["tokens", "target"] = "tokens"
+    #: block drafters: the losses' softmaxes run over the N most frequent supervised tokens of the cache (a
+    #: prediction whose label is outside them weighs nothing); null = the whole target vocabulary. Training only:
+    #: the drafter still drafts over the whole vocabulary, as SGLang serves it (with the target's lm_head). On a
+    #: small drafter the vocabulary-sized matmuls are nearly all of a step (SmolLM2: 49,152 x 576 per prediction).
+    vocab_size: Optional[int] = None
 
 
 @dataclass
@@ -413,8 +424,9 @@ def _check_values(recipe: Recipe) -> None:
         "opd.lr": recipe.opd.lr,
         "data.sources[].weight": min((s.weight for s in recipe.data.sources), default=1.0),
     }
-    if recipe.draft.draft_vocab_size is not None:
-        positive["draft.draft_vocab_size"] = recipe.draft.draft_vocab_size
+    for key in ("draft.draft_vocab_size", "loss.vocab_size"):
+        if _get(recipe, key) is not None:
+            positive[key] = _get(recipe, key)
     problems += [f"{k} must be > 0, got {v}" for k, v in positive.items() if v <= 0]
     if not 0.0 < recipe.regen.top_p <= 1.0:
         problems.append(f"regen.top_p must be in (0, 1] (a probability mass; 1 = no nucleus cut), "
@@ -441,6 +453,9 @@ def _check_values(recipe: Recipe) -> None:
         problems.append("target.layer_ids must list at least one layer")
     if len(set(recipe.target.layer_ids)) != len(recipe.target.layer_ids):
         problems.append(f"target.layer_ids has duplicates: {recipe.target.layer_ids}")
+    if recipe.regen.backend == "source" and recipe.family in ("dspark", "dflash") and recipe.loss.ce_labels != "target":
+        problems.append("regen.backend 'source' trains on the source's text, not the target's: block drafters need "
+                        "loss.ce_labels=target (the target's own argmax as the label)")
     if recipe.regen.backend == "openai" and not recipe.regen.server_urls:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
     problems += [f"regen.server_urls[{i}]: {url!r} is not an http(s) URL; write it as http://host:port"

@@ -4,6 +4,8 @@ Each user turn is replayed in order with the target's own earlier answers as con
 used. Two backends share one interface, `generate(list of message lists) -> list of Answer`:
   * `HFBackend`: in-process batched `model.generate` (default; the embedded target on CPU, any HF model on GPU);
   * `OpenAIBackend`: any OpenAI-compatible server (SGLang `launch_server`, vLLM); several URLs = data parallel.
+A third, `SourceBackend` (regen.backend: source), generates nothing: it keeps the source's own answers (EAGLE's
+fixed-data training), for `loss.ce_labels: target`, where the target's labels come from the cache stage's forward.
 
 Resume: prompts are cut into fixed chunks of `regen.batch_size`; chunk k goes to rank k % world and is written to
 `chunks/chunk-k.json` atomically once all its conversations are done, with a seed derived from (recipe seed, k).
@@ -143,6 +145,22 @@ class OpenAIBackend:
         return Answer(error=error)
 
 
+class SourceBackend:
+    """The source's own answers as the conversation's answers: no generation at all. A prompt whose source has no
+    answer for a turn ends there (a first turn without one fails the prompt, named in errors.jsonl)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def answer(self, prompt: Prompt, turn: int) -> Answer:
+        if turn >= len(prompt.answers):
+            return Answer(error="the source has no answer for this turn (regen.backend: source needs sources with "
+                                "assistant answers: sharegpt, gsm8k, chat files with assistant messages)",
+                          too_long=turn > 0)
+        text = prompt.answers[turn]
+        return Answer(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))
+
+
 # --- the stage ----------------------------------------------------------------------------------------------------
 
 
@@ -172,9 +190,13 @@ def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) ->
         active = [p for p in prompts if turn < len(p.turns) and p.id not in failed and p.id not in ended]
         if not active:
             break
-        batch = [build_messages(list(p.turns[: turn + 1]), [a.text for a in answers[p.id]], _system(p, recipe))
-                 for p in active]
-        for prompt, answer in zip(active, backend.generate(batch, seed=chunk_seed * 64 + turn)):
+        if isinstance(backend, SourceBackend):
+            replies = [backend.answer(p, turn) for p in active]
+        else:
+            batch = [build_messages(list(p.turns[: turn + 1]), [a.text for a in answers[p.id]], _system(p, recipe))
+                     for p in active]
+            replies = backend.generate(batch, seed=chunk_seed * 64 + turn)
+        for prompt, answer in zip(active, replies):
             if answer.too_long and turn > 0:
                 ended.add(prompt.id)
             elif answer.error is not None:
@@ -230,6 +252,8 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
 
     if recipe.regen.backend == "openai":
         backend = OpenAIBackend(tokenizer, recipe.regen, recipe.regen.served_model or recipe.target.name_or_path)
+    elif recipe.regen.backend == "source":
+        backend = SourceBackend(tokenizer)
     else:
         backend = HFBackend(get_model(), tokenizer, recipe.regen, recipe.data.max_length)
 

@@ -83,6 +83,7 @@ _GSM8K_HUB_ID = "openai/gsm8k"
 
 _USER_ROLES = frozenset({"user", "human"})
 _SYSTEM_ROLES = frozenset({"system"})
+_ASSISTANT_ROLES = frozenset({"assistant", "gpt", "bot", "model", "chatgpt"})
 # Everything else (assistant, gpt, chatgpt, bing, bard, model, tool, ...) is discarded.
 
 _JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
@@ -100,10 +101,14 @@ class Prompt:
     turns: tuple[str, ...]  # user turns only; the target model regenerates the answers
     system: str | None = None
     source: str = ""
+    #: the source's own assistant answers, answers[i] after turns[i] (a prefix of the turns; empty when the source
+    #: has none). Only `regen.backend: source` reads them: training on the source's text with the target's labels.
+    answers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.turns, tuple):
             object.__setattr__(self, "turns", tuple(self.turns))
+        object.__setattr__(self, "answers", tuple(self.answers)[: len(self.turns)])
         if not self.turns or not all(isinstance(t, str) for t in self.turns):
             raise ValueError(f"Prompt {self.id!r}: turns must be a non-empty sequence of str")
 
@@ -138,13 +143,16 @@ def _text(value: Any) -> str:
     raise _ShapeError(f"message content of type {type(value).__name__}")
 
 
-def _from_messages(messages: Sequence[Any]) -> tuple[str | None, list[str]]:
-    """(system, user turns) from a list of chat messages; assistant messages are dropped.
+def _from_messages(messages: Sequence[Any]) -> tuple[str | None, list[str], list[str]]:
+    """(system, user turns, assistant answers) from a list of chat messages.
 
-    System messages before the first user turn become ``system``; later ones are dropped.
+    System messages before the first user turn become ``system``; later ones are dropped. answers[i] is the first
+    assistant message after turns[i]; they stop at the first user turn left without one (a prefix of the turns).
     """
     system_parts: list[str] = []
     turns: list[str] = []
+    answers: list[str] = []
+    paired = True
     for msg in messages:
         if not isinstance(msg, Mapping):
             raise _ShapeError(f"a message is {type(msg).__name__}, not an object")
@@ -158,15 +166,18 @@ def _from_messages(messages: Sequence[Any]) -> tuple[str | None, list[str]]:
             content = msg.get("value")
         role = str(role).strip().lower()
         if role in _USER_ROLES:
+            paired = paired and len(answers) == len(turns)
             turns.append(_text(content))
         elif role in _SYSTEM_ROLES and not turns:
             system_parts.append(_text(content))
+        elif role in _ASSISTANT_ROLES and paired and len(answers) == len(turns) - 1:
+            answers.append(_text(content))
     system = "\n\n".join(s.strip() for s in system_parts if s.strip()) or None
-    return system, turns
+    return system, turns, answers
 
 
-def _parse_row(row: Mapping[str, Any]) -> tuple[str | None, list[str]]:
-    """(system, user turns) of a row in one of ACCEPTED_SHAPES, else _ShapeError.
+def _parse_row(row: Mapping[str, Any]) -> tuple[str | None, list[str], list[str]]:
+    """(system, user turns, the source's answers) of a row in one of ACCEPTED_SHAPES, else _ShapeError.
 
     Keys whose value is None are treated as absent (datasets fills them in when a file mixes
     shapes).
@@ -175,16 +186,16 @@ def _parse_row(row: Mapping[str, Any]) -> tuple[str | None, list[str]]:
     system = row.get("system") if isinstance(row.get("system"), str) else None
     for key in ("conversations", "messages"):
         if key in present and isinstance(row[key], list):
-            msg_system, turns = _from_messages(row[key])
-            return msg_system or system, turns
+            msg_system, turns, answers = _from_messages(row[key])
+            return msg_system or system, turns, answers
     if "turns" in present and isinstance(row["turns"], list):
         if not all(isinstance(t, str) for t in row["turns"]):
             raise _ShapeError("'turns' must be a list of strings")
-        return system, list(row["turns"])
+        return system, list(row["turns"]), []
     if "question" in present and isinstance(row["question"], str):
-        return system, [row["question"]]
+        return system, [row["question"]], _gsm8k_answer(row)
     if "prompt" in present and isinstance(row["prompt"], str):
-        return system, [row["prompt"]]
+        return system, [row["prompt"]], []
     raise _ShapeError(f"unrecognised row shape (keys seen: {sorted(present)})")
 
 
@@ -199,6 +210,24 @@ def _shape_error(where: str, index: int, row: Any, detail: str) -> ValueError:
 
 def _clean_turns(turns: Iterable[str]) -> tuple[str, ...]:
     return tuple(t.strip() for t in turns if t and t.strip())
+
+
+def _clean_answers(turns: Sequence[str], answers: Sequence[str]) -> tuple[str, ...]:
+    """The answers still paired with their turns once empty turns are dropped; up to the first empty one."""
+    if len(_clean_turns(turns)) != len(turns):
+        return ()
+    out = []
+    for answer in answers:
+        if not (answer and answer.strip()):
+            break
+        out.append(answer.strip())
+    return tuple(out)
+
+
+def _gsm8k_answer(row: Mapping[str, Any]) -> list[str]:
+    """GSM8K's worked answer without its calculator annotations (<<48/2=24>>), which no chat model writes."""
+    answer = row.get("answer")
+    return [re.sub(r"<<[^<>]*>>", "", answer)] if isinstance(answer, str) else []
 
 
 def _row_id(row: Mapping[str, Any], index: int) -> str:
@@ -235,7 +264,7 @@ def _rows_to_prompts(
         if not isinstance(row, Mapping):
             raise _shape_error(where, index, row, "row is not a JSON object")
         try:
-            system, turns = _parse_row(row)
+            system, turns, answers = _parse_row(row)
         except _ShapeError as exc:
             raise _shape_error(where, index, row, str(exc)) from None
         clean = _clean_turns(turns)
@@ -243,7 +272,8 @@ def _rows_to_prompts(
         if not clean:
             dropped += 1
             continue
-        out.append(Prompt(id=pid, turns=clean, system=system.strip() if system else None, source=source))
+        out.append(Prompt(id=pid, turns=clean, system=system.strip() if system else None, source=source,
+                          answers=_clean_answers(turns, answers)))
     if dropped:
         logger.debug("%s: dropped %d rows without a non-empty user turn", where, dropped)
     return out
@@ -353,16 +383,15 @@ def _load_sharegpt_file(path: Path, source: str, limit: int | None) -> list[Prom
                 if not isinstance(row, Mapping):
                     raise _shape_error(str(path), index, row, "row is not a JSON object")
                 try:
-                    system, turns = _parse_row(row)
+                    system, turns, answers = _parse_row(row)
                 except _ShapeError as exc:
                     raise _shape_error(str(path), index, row, str(exc)) from None
                 pid = make_id(_row_id(row, index))
                 clean = _clean_turns(turns)
                 if not clean:
                     continue
-                out.append(
-                    Prompt(id=pid, turns=clean, system=system.strip() if system else None, source=source)
-                )
+                out.append(Prompt(id=pid, turns=clean, system=system.strip() if system else None, source=source,
+                                  answers=_clean_answers(turns, answers)))
                 if limit is not None and len(out) >= limit:
                     break
         except _NotAnArray as exc:
@@ -608,7 +637,7 @@ def read_source(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]
             turns = _clean_turns([row["question"]])
             pid = make_id(str(index))
             if turns:
-                out.append(Prompt(pid, turns, None, spec.source))
+                out.append(Prompt(pid, turns, None, spec.source, _clean_answers(turns, _gsm8k_answer(row))))
         return out
 
     if spec.kind == "file":

@@ -296,7 +296,8 @@ class MarkovHead(nn.Module):
         elif head_type == "rnn":
             self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
-    def forward(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, prev_ids: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., gamma, H], [..., gamma] -> bias [..., gamma, V] (or [..., gamma, len(vocab_ids)]: those rows only)."""
         e = self.markov_w1(prev_ids)
         if self.head_type == "gated":
             e = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1))) * e
@@ -309,7 +310,7 @@ class MarkovHead(nn.Module):
                 state = keep * state + (1 - keep) * torch.tanh(c)
                 outputs.append(torch.tanh(o))
             e = torch.stack(outputs, dim=-2)
-        return self.markov_w2(e)
+        return self.markov_w2(e) if vocab_ids is None else F.linear(e, self.markov_w2.weight[vocab_ids])
 
 
 class ConfidenceHead(nn.Module):
@@ -501,11 +502,14 @@ class DSparkModel(nn.Module):
             x = layer(x, context_kv, rope_block, None, "sdpa")
         return self.norm(x)[0, self.block_len - self.block_size:]
 
-    def draft_logits(self, draft_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
-        """[..., gamma, H], [..., gamma] -> [..., gamma, V]: lm_head(h_k) + Markov bias from x_{k-1}."""
-        logits = self.lm_head(draft_hidden)
+    def draft_logits(self, draft_hidden: torch.Tensor, prev_ids: torch.Tensor,
+                     vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., gamma, H], [..., gamma] -> [..., gamma, V]: lm_head(h_k) + Markov bias from x_{k-1}.
+        vocab_ids: only those tokens' columns (training over a reduced vocabulary, loss.vocab_size)."""
+        logits = self.lm_head(draft_hidden) if vocab_ids is None else F.linear(draft_hidden,
+                                                                              self.lm_head.weight[vocab_ids])
         if self.markov_head is not None:
-            logits = logits + self.markov_head(draft_hidden, prev_ids)
+            logits = logits + self.markov_head(draft_hidden, prev_ids, vocab_ids)
         return logits
 
     def confidence_logits(self, draft_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:

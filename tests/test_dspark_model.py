@@ -357,6 +357,8 @@ def test_markov_heads(head):
     logits = model.draft_logits(h, prev)
     assert logits.shape == (2, 5, 4, VOCAB)
     assert torch.equal(logits, model.draft_logits(h, prev))  # teacher-forced: deterministic, no sampling
+    kept = torch.tensor([0, 5, 17, 64, VOCAB - 1])  # loss.vocab_size: only these columns, the same values
+    torch.testing.assert_close(model.draft_logits(h, prev, kept), logits[..., kept])
     assert model.confidence_logits(h, prev).shape == (2, 5, 4)
 
     changed = prev.clone()

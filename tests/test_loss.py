@@ -41,8 +41,11 @@ class TinyBlockDrafter(nn.Module):
     def _count_target(self, *_):
         self.target_calls += 1
 
-    def draft_logits(self, h, prev_ids):
-        return F.linear(torch.tanh(self.proj(h)), self.lm_head.weight) + self.markov_w2(self.markov_w1(prev_ids))
+    def draft_logits(self, h, prev_ids, vocab_ids=None):
+        head, w2 = self.lm_head.weight, self.markov_w2.weight
+        if vocab_ids is not None:
+            head, w2 = head[vocab_ids], w2[vocab_ids]
+        return F.linear(torch.tanh(self.proj(h)), head) + F.linear(self.markov_w1(prev_ids), w2)
 
     def confidence_logits(self, h, prev_ids):
         self.conf_calls += 1
@@ -67,13 +70,15 @@ def make_batch(n=7, gamma=5, hidden=16, vocab=64, prefix=None, seed=1, dtype=F64
                 valid=valid)
 
 
-def hand_terms(model, b, gamma_decay):
-    """Per-prediction pieces from the definitions, with plain ops (softmax then log, sigmoid BCE by hand)."""
+def hand_terms(model, b, gamma_decay, vocab_ids=None):
+    """Per-prediction pieces from the definitions, with plain ops (softmax then log, sigmoid BCE by hand).
+    vocab_ids: both softmaxes over those columns of the full logits only (labels index into vocab_ids)."""
     dh, th, labels, prev, valid = b["draft_hidden"], b["target_hidden"], b["labels"], b["prev_ids"], b["valid"]
     gamma = dh.shape[1]
     w = torch.exp(-(torch.arange(1, gamma + 1, dtype=F64) - 1) / gamma_decay)[None, :] * valid
-    p_d = torch.softmax(model.draft_logits(dh, prev), dim=-1)
-    p_t = torch.softmax(model.lm_head(th), dim=-1)
+    columns = slice(None) if vocab_ids is None else vocab_ids
+    p_d = torch.softmax(model.draft_logits(dh, prev)[..., columns], dim=-1)
+    p_t = torch.softmax(model.lm_head(th)[..., columns], dim=-1)
     ce = -torch.log(p_d.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1))
     l1 = (p_d - p_t).abs().sum(-1)
     cstar = (1 - 0.5 * l1).clamp(0, 1).detach()
@@ -83,8 +88,8 @@ def hand_terms(model, b, gamma_decay):
     return dict(w=w, ce=ce, l1=l1, cstar=cstar, bce=bce, argmax=p_d.argmax(-1))
 
 
-def hand_sums(model, b, gamma_decay, ce_alpha, l1_alpha, conf_alpha):
-    t = hand_terms(model, b, gamma_decay)
+def hand_sums(model, b, gamma_decay, ce_alpha, l1_alpha, conf_alpha, vocab_ids=None):
+    t = hand_terms(model, b, gamma_decay, vocab_ids)
     v = b["valid"]
     s = {k: (t["w"] * torch.where(v, t[k], 0.0)).sum() for k in ("ce", "l1", "bce")}
     s["loss"] = ce_alpha * s["ce"] + l1_alpha * s["l1"] + conf_alpha * s["bce"]
@@ -189,6 +194,44 @@ def test_chunked_equals_unchunked(chunk_size, use_checkpoint):
     for f in ("ce_sum", "l1_sum", "conf_sum", "accept_sum", "tau_sum"):
         torch.testing.assert_close(getattr(out, f), getattr(full, f))
     assert torch.equal(out.top1_correct, full.top1_correct)
+
+
+@pytest.mark.parametrize("chunk_size", [2, None])
+def test_loss_vocabulary_is_a_softmax_over_those_columns(chunk_size):
+    """loss.vocab_size: every term as the hand formula with both distributions cut to the kept columns and
+    renormalised there; the Markov rows of dropped tokens get no gradient; nothing vocabulary-sized is full width."""
+    model, b = TinyBlockDrafter(vocab=64), make_batch(n=7, vocab=24)  # labels < 24 index into vocab_ids
+    vocab_ids = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:24].sort().values
+    ref, terms = hand_sums(model, b, 4.0, **DSPARK, vocab_ids=vocab_ids)
+    out = block_loss(model, **b, **DSPARK, gamma_decay=4.0, chunk_size=chunk_size, vocab_ids=vocab_ids)
+    torch.testing.assert_close(out.loss_sum, ref["loss"].float())
+    for field, key in (("ce_sum", "ce"), ("l1_sum", "l1"), ("conf_sum", "bce")):
+        torch.testing.assert_close(getattr(out, field), ref[key].float())
+    assert torch.equal(out.top1_correct, ((terms["argmax"] == b["labels"]) & b["valid"]).sum(0))
+    g_w2 = torch.autograd.grad(out.loss_sum, model.markov_w2.weight)[0]
+    dropped = torch.ones(64, dtype=torch.bool)
+    dropped[vocab_ids] = False
+    assert g_w2[dropped].abs().sum() == 0 and g_w2[vocab_ids].abs().sum() > 0
+    # the full-vocabulary loss is a different objective on the same batch
+    full = block_loss(model, **b, **DSPARK, gamma_decay=4.0)
+    assert not torch.allclose(full.loss_sum, out.loss_sum)
+
+
+@pytest.mark.parametrize("vocab_ids", [None, torch.arange(0, 64, 3)])
+def test_target_labels_are_the_target_argmax(vocab_ids):
+    """loss.ce_labels=target: the same loss as with the target's argmax (over the loss vocabulary) passed as the
+    labels, whatever the batch's own labels are; DFlash's CE-only weights too (no target distribution otherwise)."""
+    model, b = TinyBlockDrafter(), make_batch(n=7)
+    head = model.lm_head(b["target_hidden"])
+    argmax = (head if vocab_ids is None else head[..., vocab_ids]).argmax(-1)
+    for alphas in (DSPARK, dict(ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0)):
+        got = block_loss(model, **b, **alphas, gamma_decay=4.0, vocab_ids=vocab_ids, target_labels=True)
+        want = block_loss(model, **{**b, "labels": argmax}, **alphas, gamma_decay=4.0, vocab_ids=vocab_ids)
+        torch.testing.assert_close(got.loss_sum, want.loss_sum)
+        assert torch.equal(got.top1_correct, want.top1_correct)
+        mine = block_loss(model, **{**b, "labels": b["labels"].clamp(min=0) % 21}, **alphas, gamma_decay=4.0,
+                          vocab_ids=vocab_ids)
+        assert not torch.allclose(mine.loss_sum, got.loss_sum)  # the batch's labels are really ignored
 
 
 def vocab_sized_saved(run_loss, width: int, **kw) -> list[tuple]:

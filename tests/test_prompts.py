@@ -182,7 +182,9 @@ def test_gsm8k_local_fixture(tmp_path):
     rows = load_source("gsm8k", path=path)
     assert [p.id for p in rows] == ["gsm8k:0", "gsm8k:1", "gsm8k:2"]
     assert rows[1].turns == (GSM8K_FIXTURE[1]["question"],)
-    assert all("####" not in t for p in rows for t in p.turns)  # answers are dropped
+    assert all("####" not in t for p in rows for t in p.turns)  # answers are not turns
+    # the source's own answer, kept for regen.backend: source, without the calculator annotations
+    assert rows[1].answers == ("5 * 6 = 30 eggs.\n#### 30",)
     assert [p.id for p in eval_prompts("gsm8k", None, 0, path=path)] == [p.id for p in rows]
 
 
@@ -197,6 +199,9 @@ def test_local_jsonl_each_shape(tmp_path, gz):
         {"prompt": "a prompt", "id": "custom"},
         {"prompt": "   "},  # empty: dropped, but keeps its row index
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "parts"}]}]},
+        # two user turns in a row: the answer after them belongs to neither alone
+        {"conversations": [{"from": "human", "value": "u1"}, {"from": "human", "value": "u2"},
+                           {"from": "gpt", "value": "a?"}]},
     ]
     path = write_jsonl(tmp_path / ("mixed.jsonl.gz" if gz else "mixed.jsonl"), rows, gz=gz)
     got = load_source(path)
@@ -207,7 +212,10 @@ def test_local_jsonl_each_shape(tmp_path, gz):
         ("mixed:3", None, ("a question",)),
         ("mixed:custom", None, ("a prompt",)),
         ("mixed:6", None, ("parts",)),
+        ("mixed:7", None, ("u1", "u2")),
     ]
+    # the sources' answers, answers[i] after turns[i], a prefix of the turns
+    assert [p.answers for p in got] == [("ans",), ("ans",), (), (), (), (), ()]
     assert all(p.source == "mixed" for p in got)
     assert load_source("json", path=path) == got
 

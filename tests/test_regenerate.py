@@ -120,6 +120,36 @@ def test_over_long_later_turn_ends_the_conversation_and_over_long_first_turn_fai
     assert tokens == 2
 
 
+def test_source_backend_keeps_the_sources_answers_and_generates_nothing():
+    """regen.backend: source (EAGLE's fixed data): each turn's answer is the source's own; a conversation ends at the
+    first turn without one, and a prompt without any fails, named."""
+    from types import SimpleNamespace
+
+    from data.regenerate import SourceBackend
+
+    recipe = load_recipe("dspark_smollm2_135m", ["regen.backend=source", "loss.ce_labels=target", "data.max_turns=2"])
+    tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [len(w) for w in text.split()])
+    prompts = [Prompt(id="two", turns=("q1", "q2", "q3"), answers=("a b", "c d e", "f")),
+               Prompt(id="one", turns=("q1", "q2"), answers=("g h i j",)),
+               Prompt(id="none", turns=("q1",))]
+    records, errors, tokens = regenerate_chunk(SourceBackend(tokenizer), prompts, recipe, chunk_seed=0)
+    assert [r["id"] for r in records] == ["two", "one"]
+    assert [(m["role"], m["content"]) for m in records[0]["conversations"] if m["role"] != "system"] == [
+        ("user", "q1"), ("assistant", "a b"), ("user", "q2"), ("assistant", "c d e")]  # data.max_turns=2
+    assert [m["content"] for m in records[1]["conversations"] if m["role"] != "system"] == ["q1", "g h i j"]
+    assert records[0]["response_ids"] == [[1, 1], [1, 1, 1]]
+    assert tokens == 2 + 3 + 4
+    assert [e["id"] for e in errors] == ["none"] and "has no answer" in errors[0]["reason"]
+
+
+def test_source_answers_need_target_labels_for_block_drafters():
+    from core.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="loss.ce_labels=target"):
+        load_recipe("dflash_smollm2_135m", ["regen.backend=source"])
+    load_recipe("eagle3_smollm2_135m", ["regen.backend=source"])  # Eagle3 learns the target's distribution anyway
+
+
 def test_recipe_asking_for_more_prompts_than_its_sources_hold_is_refused_before_regeneration(tmp_path):
     """data.allow_fewer false (the default): the stage refuses before it pins its folder or loads the target, so the
     fixed recipe runs in the same --out."""

@@ -56,7 +56,10 @@ def metrics(out):
 @pytest.mark.parametrize("family", ["dspark", "dflash", "eagle3"])
 def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, prompt_file, tmp_path):
     out = copy_run(prepared, family, tmp_path / "run")
+    # the block families' loss options ride along: DSpark's softmaxes over 512 tokens, DFlash's labels the target's
+    options = {"dspark": {"loss.vocab_size": 512}, "dflash": {"loss.ce_labels": "target"}}.get(family, {})
     done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",
+                              **options,
                               **{"train.max_steps": 10, "train.save_every": 5, "train.keep_checkpoints": 0,
                                  "eval.dataset": str(prompt_file),
                                  "eval.num_samples": 2, "eval.max_new_tokens": 8, "train.wandb_project": "ds-test"}))
@@ -82,6 +85,9 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
         assert config["architectures"] == ["Qwen3DSparkModel"]
         assert config["markov_rank"] == (8 if family == "dspark" else 0)
         assert any(k.startswith("markov_head.") for k in weights) == (family == "dspark")
+    if family == "dspark":  # Markov rows outside the loss vocabulary: zero (no bias) and never trained
+        trained_rows = weights["markov_head.markov_w2.weight"].abs().sum(1) > 0
+        assert 0 < int(trained_rows.sum()) <= 512
     # tensorboard and offline wandb both got the run
     assert list((out / "train" / "tensorboard").glob("events.*"))
     assert list((out / "train" / "wandb").glob("offline-run-*/run-*.wandb"))

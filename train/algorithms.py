@@ -116,9 +116,17 @@ def _init_draft(draft, recipe, target, cache) -> None:
 
 
 class BlockTrainModule(_TrainModule):
-    def __init__(self, draft: DSparkModel, recipe):
+    def __init__(self, draft: DSparkModel, recipe, loss_vocab: torch.Tensor | None = None):
         super().__init__()
         self.draft, self.recipe = draft, recipe
+        # loss.vocab_size: the target ids the softmaxes run over, and each target id's index among them (-1: none).
+        # Rebuilt from the cache at every start, so neither is saved.
+        index = None
+        if loss_vocab is not None:
+            index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
+            index[loss_vocab] = torch.arange(loss_vocab.numel())
+        self.register_buffer("loss_vocab", loss_vocab, persistent=False)
+        self.register_buffer("loss_index", index, persistent=False)
 
     #: the optimizer step being computed; the trainer sets it before each forward (loss.ce_warmup_steps reads it).
     step: int = 0
@@ -138,12 +146,21 @@ class BlockTrainModule(_TrainModule):
         keep = batch["anchor_positions"] >= 0  # [B, A]
         rows = torch.arange(batch["input_ids"].shape[0], device=keep.device)[:, None, None]
         target_hidden = batch["last_hidden_state"][rows, batch["target_pos"].clamp(min=0)]  # [B, A, gamma, H]
-        return block_loss(self.draft, draft_hidden[keep], target_hidden[keep], batch["labels"][keep],
-                          batch["prev_ids"][keep], batch["valid"][keep], ce_alpha=ce_alpha, l1_alpha=l1_alpha,
+        labels, valid = batch["labels"][keep], batch["valid"][keep]
+        target_labels = loss.ce_labels == "target"
+        if self.loss_vocab is not None and not target_labels:
+            # A label outside the loss vocabulary weighs nothing (it still counts in the batch's denominator, which
+            # make_batch computed without the vocabulary: a constant share of ~1% of predictions).
+            labels = self.loss_index[labels]
+            valid = valid & (labels >= 0)
+            labels = labels.clamp(min=0)
+        return block_loss(self.draft, draft_hidden[keep], target_hidden[keep], labels,
+                          batch["prev_ids"][keep], valid, ce_alpha=ce_alpha, l1_alpha=l1_alpha,
                           conf_alpha=conf_alpha, gamma_decay=loss.loss_decay_gamma,
                           # DFlash too by default: the training tau estimate needs the target distribution
                           accept_stats=loss.accept_stats, use_checkpoint=loss.checkpoint,
-                          soft_ce_alpha=loss.soft_ce_alpha)
+                          soft_ce_alpha=loss.soft_ce_alpha, vocab_ids=self.loss_vocab,
+                          target_labels=target_labels)
 
 
 class BlockAlgorithm:
@@ -158,7 +175,19 @@ class BlockAlgorithm:
             sample_from_anchor=d.sample_from_anchor)
         draft = DSparkModel.from_target(config, target)
         _init_draft(draft, recipe, target, cache)
-        return BlockTrainModule(draft.float(), recipe)
+        loss_vocab = None
+        if recipe.loss.vocab_size is not None:
+            vocab = target.config.vocab_size
+            d2t, _ = build_vocab_mapping(read_loss_token_counts(cache, vocab), min(recipe.loss.vocab_size, vocab))
+            loss_vocab = torch.arange(d2t.numel()) + d2t
+            if draft.markov_head is not None:
+                # Rows outside the loss vocabulary get no gradient: zero, their Markov bias is none rather than noise
+                # when the drafter drafts over the whole vocabulary.
+                with torch.no_grad():
+                    outside = torch.ones(vocab, dtype=torch.bool)
+                    outside[loss_vocab] = False
+                    draft.markov_head.markov_w2.weight[outside] = 0.0
+        return BlockTrainModule(draft.float(), recipe, loss_vocab)
 
     @staticmethod
     def make_batch(recipe, records: list[dict], seeds: list[tuple], device) -> dict:

@@ -118,15 +118,25 @@ class BlockLossOut:
 
 
 def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, conf_alpha, want_cstar,
-                 soft_ce_alpha=0.0):
+                 soft_ce_alpha=0.0, vocab_ids=None, target_labels=False):
     """One chunk of anchors: returns (loss, ce, l1, conf, accept[gamma], tau, top1[gamma]); only loss has grad.
 
     Memory-sensitive: vocabulary-sized intermediates are dropped as soon as they are used. The statistics come last,
     under no_grad, so the checkpoint's early stop skips them when the backward recomputes this chunk.
     """
+    p_t = None
+    if want_cstar or soft_ce_alpha or target_labels:
+        with torch.no_grad():
+            head = model.lm_head(th) if vocab_ids is None else F.linear(th, model.lm_head.weight[vocab_ids])
+            if target_labels:
+                labels = head.argmax(-1)
+            if want_cstar or soft_ce_alpha:
+                p_t = torch.softmax(_wide(head), dim=-1)
+            del head
     # With neither CE nor L1 trained, p_draft only feeds the detached c*: no graph through the draft logits.
     with torch.set_grad_enabled(torch.is_grad_enabled() and bool(ce_alpha or l1_alpha or soft_ce_alpha)):
-        logits = _wide(model.draft_logits(h, prev_ids))  # [c, gamma, V]
+        logits = _wide(model.draft_logits(h, prev_ids) if vocab_ids is None
+                       else model.draft_logits(h, prev_ids, vocab_ids))  # [c, gamma, V]
         logp = torch.log_softmax(logits, dim=-1)
         del logits
     nll = -logp.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
@@ -134,9 +144,6 @@ def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, c
     terms = [ce_alpha * ce] if ce_alpha else []
 
     l1 = cstar = bce = None
-    if want_cstar or soft_ce_alpha:
-        with torch.no_grad():
-            p_t = torch.softmax(_wide(model.lm_head(th)), dim=-1)
     if soft_ce_alpha:
         # cross-entropy against the target's whole distribution (Eagle3's TTT loss): dense soft labels
         soft = -(p_t * logp).sum(-1)
@@ -195,6 +202,8 @@ def block_loss(
     accept_stats: bool | None = None,
     use_checkpoint: bool = True,
     soft_ce_alpha: float = 0.0,
+    vocab_ids: torch.Tensor | None = None,
+    target_labels: bool = False,
 ) -> BlockLossOut:
     """DSpark/DFlash loss sums over N anchors of gamma predictions each.
 
@@ -211,6 +220,10 @@ def block_loss(
                   the forward (the backward's recompute stops before it)
     use_checkpoint  False keeps every chunk's activations for the backward (faster, memory grows with N; for
                   measurements and small problems)
+    vocab_ids     [V'] long: every softmax (draft and target) over these tokens only, renormalised there; labels are
+                  then indices into vocab_ids (loss.vocab_size; the caller maps them and marks the rest invalid)
+    target_labels  the CE label (and top-1 statistic) of each prediction is the target's argmax there, from
+                  ``lm_head(target_hidden)``, instead of ``labels`` (loss.ce_labels: target)
     """
     if draft_hidden.dim() != 3:
         raise ValueError(f"draft_hidden must be [N, gamma, H], got {tuple(draft_hidden.shape)}")
@@ -242,7 +255,7 @@ def block_loss(
             t.index_select(0, idx) for t in (draft_hidden, target_hidden, labels, prev_ids, valid, w_all))
     m = idx.numel()
 
-    vocab = _out_features(model.lm_head)
+    vocab = _out_features(model.lm_head) if vocab_ids is None else vocab_ids.numel()
     if chunk_size is None:
         chunk_size = auto_chunk_size(gamma * vocab * 4, chunk_bytes)
     if chunk_size < 1:
@@ -257,7 +270,7 @@ def block_loss(
     for s in range(0, m, chunk_size):
         e = min(m, s + chunk_size)
         args = (model, draft_hidden[s:e], target_hidden[s:e], labels[s:e], prev_ids[s:e], valid[s:e], w_all[s:e],
-                ce_alpha, l1_alpha, conf_alpha, want_cstar, soft_ce_alpha)
+                ce_alpha, l1_alpha, conf_alpha, want_cstar, soft_ce_alpha, vocab_ids, target_labels)
         if ckpt:
             out = checkpoint(_block_chunk, *args, use_reentrant=False)
         else:

@@ -1,0 +1,102 @@
+"""What a training lever gives: one family trained on the same data with and without it, at equal steps (the same
+batches and schedule), scored by held-out tau replayed on prompts from other sources. The figures of the README's
+"What each lever gave" tables.
+
+    python benchmarks/levers.py --gsm8k ../shared/data/gsm8k --steps 240 --regen-prompts 128 --source-prompts 384 \\
+        --variant full-vocab:loss.vocab_size=null --variant lr3e-3:train.lr=3e-3     # about 75 min on 2 CPU cores
+    python benchmarks/levers.py --steps 8 --regen-prompts 8 --source-prompts 8 --eval-per-source 1  # a smoke run
+
+1. Held-out prompts (MT-bench, HumanEval, + GSM8K test) with their greedy answers, regenerated and cached.
+2. Training data two ways from the same sources (ShareGPT, + GSM8K train), one turn each: the target regenerates
+   --regen-prompts answers (regen data), and the sources' own answers of --source-prompts conversations are cached
+   as they are (source data: regen.backend=source, the target's argmax as the label). Each way's CPU seconds printed.
+3. The family trains on each data (the recipe as it is: the base arms), then once per --variant on the source data
+   with the variant's overrides; checkpoints at a quarter of the steps each replay the held-out tau.
+
+Writes OUT/levers.json and prints a table: arm, data, steps, seconds a step, held-out tau at each checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from quality import learning_curve, link_data, run_pipeline, sets, write_eval_prompts  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "levers", help="work folder (runs/levers)")
+    parser.add_argument("--family", default="dspark", choices=("dspark", "dflash", "eagle3"))
+    parser.add_argument("--steps", type=int, default=240, help="optimizer steps of every arm (240)")
+    parser.add_argument("--regen-prompts", type=int, default=128, help="prompts the target regenerates (128)")
+    parser.add_argument("--source-prompts", type=int, default=384, help="conversations kept as the source wrote them")
+    parser.add_argument("--eval-per-source", type=int, default=4, help="held-out prompts per eval source (4)")
+    parser.add_argument("--gsm8k", type=Path, help="folder with GSM8K train.jsonl/test.jsonl")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (2)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                        help="an arm on the source data with these recipe overrides (repeatable)")
+    args = parser.parse_args()
+    variants = []
+    for item in args.variant:
+        name, _, keys = item.partition(":")
+        if not name or not keys or any("=" not in kv for kv in keys.split(",")):
+            parser.error(f"--variant {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
+        variants.append((name, [x for kv in keys.split(",") for x in ("--set", kv)]))
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "pipeline.log"
+    recipe = f"{args.family}_smollm2_135m"
+    source_labels = sets(regen__backend="source", loss__ce_labels="target")
+
+    eval_file = out / "eval_prompts.jsonl"
+    write_eval_prompts(eval_file, args.eval_per_source, args.gsm8k, seed=0)
+    num_eval = len(eval_file.read_text().splitlines())
+    run_pipeline(recipe, out / "eval-data", "regenerate,cache", args.nproc,
+                 sets(data__sources=f"[{{name: '{eval_file}'}}]", data__num_prompts=num_eval,
+                      data__holdout_fraction=0.0, data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
+                      regen__max_new_tokens=128), log)
+
+    sources = "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{args.gsm8k / 'train.jsonl'}', "
+                                                   f"weight: 1.0}}" if args.gsm8k else "") + "]"
+    data = {}
+    for name, prompts, extra in (("regen", args.regen_prompts, []), ("source", args.source_prompts, source_labels)):
+        seconds = run_pipeline(recipe, out / f"{name}-data", "regenerate,cache", args.nproc,
+                               sets(data__sources=sources, data__max_turns=1, data__num_prompts=prompts) + extra, log)
+        manifest = json.loads((out / f"{name}-data" / "cache" / "manifest.json").read_text())
+        data[name] = {"seconds": seconds, "records": manifest["num_records"], "tokens": manifest["num_tokens"]}
+        print(f"[levers] {name} data: {data[name]}", flush=True)
+
+    from core.recipe import load_recipe
+    from data.capture import open_cache
+    from modeling.target import load_tokenizer, target_hidden_size
+
+    eval_cache = open_cache(load_recipe(recipe), out / "eval-data" / "cache", target_hidden_size(
+        "smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct"))
+    arms = [("regen", "regen", []), ("source", "source", source_labels)]
+    arms += [(name, "source", source_labels + extra) for name, extra in variants]
+    results = {}
+    for name, data_name, extra in arms:
+        run = out / f"arm-{name}"
+        link_data(out / f"{data_name}-data", run)
+        seconds = run_pipeline(recipe, run, "train", args.nproc, extra + sets(
+            train__max_steps=args.steps, train__save_every=max(1, args.steps // 4), train__keep_checkpoints=0), log)
+        results[name] = {"data": data_name, "train_s": seconds, "s_per_step": seconds / args.steps,
+                         "curve": learning_curve(run, eval_cache, 7, 128)}
+    (out / "levers.json").write_text(json.dumps({"data": data, "arms": results}, indent=2) + "\n")
+    print(f"\n{'arm':<16} {'data':<7} {'s/step':>7}  held-out tau by step")
+    for name, row in results.items():
+        curve = "  ".join(f"{p['step']}: {p['replayed_tau']:.3f}" for p in row["curve"])
+        print(f"{name:<16} {row['data']:<7} {row['s_per_step']:>7.2f}  {curve}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
