@@ -142,8 +142,8 @@ def markdown(result: dict) -> str:
              f"{result['num_eval_prompts']} prompts, {result['max_new_tokens']} new tokens, T=0, gamma {k})", "",
              f"Training data: {result['train_sources']} ({TRAIN_DATA[result.get('train_data', 'regenerate')]}), "
              f"{result['train_records']} conversations, {result['train_tokens']} tokens"
-             + (f" ({result['data_s'] / 60:.1f} min to prepare)" if result.get("data_s") else "") + "; budget {result['budget_s']:.0f} s of training per family on "
-             f"{result['nproc']} rank(s).", "",
+             + (f" ({result['data_s'] / 60:.1f} min to prepare)" if result.get("data_s") else "")
+             + f"; budget {result['budget_s']:.0f} s of training per family on {result['nproc']} rank(s).", "",
              "| drafter | steps | train s | tau | exact | spec tok/s | speedup vs target loop | vs HF generate | "
              + " | ".join(f"acc@{i + 1}" for i in range(k)) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * k]
@@ -173,19 +173,16 @@ def source_sets(train_data: str) -> list[str]:
     return sets(regen__backend="source", loss__ce_labels="target") if train_data == "source" else []
 
 
-def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
-                 nproc: int, log: Path, train_data: str = "regenerate"):
-    """Regenerate + cache the training prompts (ShareGPT, + GSM8K train) and the held-out eval prompts (MT-bench,
-    HumanEval, + GSM8K test; greedy answers, to replay held-out tau). Returns (train run, eval run, eval prompt file,
-    eval source names, training sources, training data seconds)."""
-    # --- 1. training data, once -----------------------------------------------------------------------------------
-    sources = "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
-                                                   f"weight: 1.0}}" if gsm8k else "") + "]"
-    data_run = out / "train-data"
-    data_s = run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", nproc,
-                          sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data), log)
+def training_sources(gsm8k: Path | None) -> str:
+    """The training prompt sources, as a recipe value: ShareGPT, plus GSM8K train with --gsm8k."""
+    return "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
+                                              f"weight: 1.0}}" if gsm8k else "") + "]"
 
-    # --- 2. held-out prompts and their greedy answers ---------------------------------------------------------------
+
+def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_new_tokens: int, nproc: int,
+                      log: Path) -> tuple[Path, Path, list[str]]:
+    """The held-out prompts (MT-bench, HumanEval, + GSM8K test) with their greedy answers regenerated and cached, to
+    replay held-out tau. Returns (eval run, eval prompt file, eval source names)."""
     eval_file = out / "eval_prompts.jsonl"
     eval_sources = write_eval_prompts(eval_file, eval_per_source, gsm8k, seed=0)
     num_eval = len(eval_file.read_text().splitlines())
@@ -194,6 +191,18 @@ def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_sou
                  sets(data__sources=f"[{{name: '{eval_file}'}}]", data__num_prompts=num_eval, data__holdout_fraction=0.0,
                       data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
                       regen__max_new_tokens=max_new_tokens), log)
+    return eval_run, eval_file, eval_sources
+
+
+def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
+                 nproc: int, log: Path, train_data: str = "regenerate"):
+    """Regenerate + cache the training prompts and the held-out eval prompts. Returns (train run, eval run, eval
+    prompt file, eval source names, training sources, training data seconds)."""
+    sources = training_sources(gsm8k)
+    data_run = out / "train-data"
+    data_s = run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", nproc,
+                          sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data), log)
+    eval_run, eval_file, eval_sources = prepare_eval_data(out, eval_per_source, gsm8k, max_new_tokens, nproc, log)
     return data_run, eval_run, eval_file, eval_sources, sources, data_s
 
 
