@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from quality import learning_curve, link_data, run_pipeline, sets, write_eval_prompts  # noqa: E402
+from quality import (learning_curve, link_data, prepare_eval_data, run_pipeline, sets, source_sets,  # noqa: E402
+                     training_sources)
 
 
 def main() -> int:
@@ -54,18 +55,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pipeline.log"
     recipe = f"{args.family}_smollm2_135m"
-    source_labels = sets(regen__backend="source", loss__ce_labels="target")
+    source_labels = source_sets("source")
 
-    eval_file = out / "eval_prompts.jsonl"
-    write_eval_prompts(eval_file, args.eval_per_source, args.gsm8k, seed=0)
-    num_eval = len(eval_file.read_text().splitlines())
-    run_pipeline(recipe, out / "eval-data", "regenerate,cache", args.nproc,
-                 sets(data__sources=f"[{{name: '{eval_file}'}}]", data__num_prompts=num_eval,
-                      data__holdout_fraction=0.0, data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
-                      regen__max_new_tokens=128), log)
-
-    sources = "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{args.gsm8k / 'train.jsonl'}', "
-                                                   f"weight: 1.0}}" if args.gsm8k else "") + "]"
+    prepare_eval_data(out, args.eval_per_source, args.gsm8k, 128, args.nproc, log)
+    sources = training_sources(args.gsm8k)
     data = {}
     for name, prompts, extra in (("regen", args.regen_prompts, []), ("source", args.source_prompts, source_labels)):
         seconds = run_pipeline(recipe, out / f"{name}-data", "regenerate,cache", args.nproc,

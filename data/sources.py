@@ -83,8 +83,9 @@ _GSM8K_HUB_ID = "openai/gsm8k"
 
 _USER_ROLES = frozenset({"user", "human"})
 _SYSTEM_ROLES = frozenset({"system"})
+# Assistant messages become Prompt.answers (regen.backend: source); everything else (bing, bard, tool, ...) is
+# discarded.
 _ASSISTANT_ROLES = frozenset({"assistant", "gpt", "bot", "model", "chatgpt"})
-# Everything else (assistant, gpt, chatgpt, bing, bard, model, tool, ...) is discarded.
 
 _JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -212,9 +213,9 @@ def _clean_turns(turns: Iterable[str]) -> tuple[str, ...]:
     return tuple(t.strip() for t in turns if t and t.strip())
 
 
-def _clean_answers(turns: Sequence[str], answers: Sequence[str]) -> tuple[str, ...]:
-    """The answers still paired with their turns once empty turns are dropped; up to the first empty one."""
-    if len(_clean_turns(turns)) != len(turns):
+def _clean_answers(answers: Sequence[str], turns: Sequence[str], clean_turns: Sequence[str]) -> tuple[str, ...]:
+    """The answers, up to the first empty one; none when _clean_turns dropped a turn (the pairs would shift)."""
+    if len(clean_turns) != len(turns):
         return ()
     out = []
     for answer in answers:
@@ -273,7 +274,7 @@ def _rows_to_prompts(
             dropped += 1
             continue
         out.append(Prompt(id=pid, turns=clean, system=system.strip() if system else None, source=source,
-                          answers=_clean_answers(turns, answers)))
+                          answers=_clean_answers(answers, turns, clean)))
     if dropped:
         logger.debug("%s: dropped %d rows without a non-empty user turn", where, dropped)
     return out
@@ -391,7 +392,7 @@ def _load_sharegpt_file(path: Path, source: str, limit: int | None) -> list[Prom
                 if not clean:
                     continue
                 out.append(Prompt(id=pid, turns=clean, system=system.strip() if system else None, source=source,
-                                  answers=_clean_answers(turns, answers)))
+                                  answers=_clean_answers(answers, turns, clean)))
                 if limit is not None and len(out) >= limit:
                     break
         except _NotAnArray as exc:
@@ -637,7 +638,7 @@ def read_source(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]
             turns = _clean_turns([row["question"]])
             pid = make_id(str(index))
             if turns:
-                out.append(Prompt(pid, turns, None, spec.source, _clean_answers(turns, _gsm8k_answer(row))))
+                out.append(Prompt(pid, turns, None, spec.source, _clean_answers(_gsm8k_answer(row), turns, turns)))
         return out
 
     if spec.kind == "file":

@@ -20,7 +20,7 @@ import torch
 
 from modeling.dspark import DSparkModel, block_targets, build_dspark_config, sample_anchor_positions
 from data.capture import read_loss_token_counts
-from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping, ttt_valid_mask
+from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping, target_to_draft, ttt_valid_mask
 from modeling.registry import architecture_for_family, save_draft
 from train.loss import block_loss, block_weight_sum, eagle3_loss, eagle3_weight_sum
 
@@ -116,17 +116,14 @@ def _init_draft(draft, recipe, target, cache) -> None:
 
 
 class BlockTrainModule(_TrainModule):
-    def __init__(self, draft: DSparkModel, recipe, loss_vocab: torch.Tensor | None = None):
+    def __init__(self, draft: DSparkModel, recipe, loss_t2d: torch.Tensor | None = None):
         super().__init__()
         self.draft, self.recipe = draft, recipe
-        # loss.vocab_size: the target ids the softmaxes run over, and each target id's index among them (-1: none).
-        # Rebuilt from the cache at every start, so neither is saved.
-        index = None
-        if loss_vocab is not None:
-            index = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-            index[loss_vocab] = torch.arange(loss_vocab.numel())
-        self.register_buffer("loss_vocab", loss_vocab, persistent=False)
-        self.register_buffer("loss_index", index, persistent=False)
+        # loss.vocab_size: [V] bool, the target ids the softmaxes run over (Eagle3's t2d form), and those ids in
+        # order. Rebuilt from the cache at every start, so neither is saved.
+        self.register_buffer("loss_t2d", loss_t2d, persistent=False)
+        self.register_buffer("loss_vocab", None if loss_t2d is None else loss_t2d.nonzero().squeeze(1),
+                             persistent=False)
 
     #: the optimizer step being computed; the trainer sets it before each forward (loss.ce_warmup_steps reads it).
     step: int = 0
@@ -151,7 +148,7 @@ class BlockTrainModule(_TrainModule):
         if self.loss_vocab is not None and not target_labels:
             # A label outside the loss vocabulary weighs nothing (it still counts in the batch's denominator, which
             # make_batch computed without the vocabulary: a constant share of ~1% of predictions).
-            labels = self.loss_index[labels]
+            labels = target_to_draft(labels, self.loss_t2d)
             valid = valid & (labels >= 0)
             labels = labels.clamp(min=0)
         return block_loss(self.draft, draft_hidden[keep], target_hidden[keep], labels,
@@ -175,19 +172,16 @@ class BlockAlgorithm:
             sample_from_anchor=d.sample_from_anchor)
         draft = DSparkModel.from_target(config, target)
         _init_draft(draft, recipe, target, cache)
-        loss_vocab = None
+        t2d = None
         if recipe.loss.vocab_size is not None:
             vocab = target.config.vocab_size
-            d2t, _ = build_vocab_mapping(read_loss_token_counts(cache, vocab), min(recipe.loss.vocab_size, vocab))
-            loss_vocab = torch.arange(d2t.numel()) + d2t
+            _, t2d = build_vocab_mapping(read_loss_token_counts(cache, vocab), min(recipe.loss.vocab_size, vocab))
             if draft.markov_head is not None:
                 # Rows outside the loss vocabulary get no gradient: zero, their Markov bias is none rather than noise
                 # when the drafter drafts over the whole vocabulary.
                 with torch.no_grad():
-                    outside = torch.ones(vocab, dtype=torch.bool)
-                    outside[loss_vocab] = False
-                    draft.markov_head.markov_w2.weight[outside] = 0.0
-        return BlockTrainModule(draft.float(), recipe, loss_vocab)
+                    draft.markov_head.markov_w2.weight[~t2d] = 0.0
+        return BlockTrainModule(draft.float(), recipe, t2d)
 
     @staticmethod
     def make_batch(recipe, records: list[dict], seeds: list[tuple], device) -> dict:
