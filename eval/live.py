@@ -15,7 +15,11 @@ The offline loop then runs the same draft on the same prompt ids, with the first
 as both engines do, so the two see the same rounds. report.json holds both taus, their difference and the tolerance.
 
 The server is always stopped: on success, on any error, on a timeout and on Ctrl-C / SIGTERM, by signalling its whole
-process group; a server that dies or never becomes ready raises ServerStartError with the tail of its log.
+process group; if the eval is killed outright (SIGKILL), the kernel kills the server and a watchdog kills the rest of
+its tree (eval/server_procs.py). A server that dies or never becomes ready raises ServerStartError with the tail of its
+log; it is ready only when its own process listens on the port, never another server that took the port first. The
+engine gets this environment minus secret-like variables, and secret flag values never reach the printed command or
+report.json.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +46,7 @@ import torch
 from core.io import atomic_write_json, atomic_write_text
 from data.prompts import eval_prompts
 from eval.run import acceptance_metrics, first_turn_ids
+from eval.server_procs import TAG_VAR, kill_tagged, port_held_by, tagged_processes
 from eval.spec_decode import load_draft, speculative_generate
 from export.convert import export_draft
 from export.serving import ENGINES, detect_algorithm, sglang_command, sglang_env, sglang_serving_files, vllm_command
@@ -77,6 +83,7 @@ def default_engine_python(engine: str) -> str:
 
 
 def free_port() -> int:
+    """A port free now; another process may take it before the engine binds (LiveServer then refuses to start)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -86,13 +93,57 @@ def free_port() -> int:
 # The server process
 
 
-def _die_with_parent() -> None:
-    # Runs in the child before exec: if this eval process is killed outright (SIGKILL), the kernel sends the server
-    # SIGTERM, so even then no server is left running.
+# Secret-like names. Environment variables: anywhere in the name (PGPASSWORD; dropping a harmless one costs little).
+# Flags: as a whole word (--api-key, --hf-token; not --max-num-batched-tokens, --tokenizer: kept, to reproduce the run).
+SECRET_WORDS = "key|token|secret|password|passwd|credentials?"
+SECRET_ENV_NAME = re.compile(SECRET_WORDS, re.IGNORECASE)
+SECRET_FLAG = re.compile(rf"(?<![a-z])(?:{SECRET_WORDS})(?![a-z])", re.IGNORECASE)
+ENGINE_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # the engine fetches gated target weights with these
+REDACTED = "<redacted>"
+
+
+def engine_environment(parent: dict[str, str], explicit: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for the engine: `parent` without the variables whose names look secret (API keys, cloud
+    credentials; ENGINE_SECRETS kept), plus `explicit`, our own settings, kept whatever their names."""
+    passed = {k: v for k, v in parent.items() if k in ENGINE_SECRETS or not SECRET_ENV_NAME.search(k)}
+    return {**passed, **(explicit or {})}
+
+
+def redact_args(argv: list[str] | tuple[str, ...]) -> list[str]:
+    """`argv` with the value of every secret-named flag replaced by REDACTED, in both `--api-key VALUE` and
+    `--api-key=VALUE` forms; a following `--flag` is not a value (vLLM's --hf-token may stand alone)."""
+    shown, hide_next = [], False
+    for arg in argv:
+        if hide_next and not arg.startswith("--"):
+            shown.append(REDACTED)
+            hide_next = False
+            continue
+        flag, has_value, _ = arg.partition("=")
+        secret = arg.startswith("-") and SECRET_FLAG.search(flag.lstrip("-")) is not None
+        hide_next = secret and not has_value
+        shown.append(f"{flag}={REDACTED}" if secret and has_value else arg)
+    return shown
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent_hook():
+    """A preexec_fn making the kernel SIGKILL the server when this eval dies, even by SIGKILL; None where it cannot
+    be set. PR_SET_PDEATHSIG fires when the *thread* that started the child ends, so only from the main thread."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
     import ctypes
 
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: loading a library after fork can deadlock
+    parent = os.getpid()
+
+    def die_with_parent() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != parent:  # the eval died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return die_with_parent
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -101,26 +152,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return "(no log written)"
     return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
-
-
-TAG_VAR = "DRAFTSMITH_LIVE_SERVER"  # set in the server's environment; every process it starts inherits it
-
-
-def tagged_processes(tag: str | None = None) -> list[int]:
-    """Pids whose environment carries TAG_VAR (= `tag`, or any value): the server and everything it started, even
-    processes that left its process group."""
-    want = f"{TAG_VAR}={tag}".encode() if tag else f"{TAG_VAR}=".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:  # gone, or not ours to read
-            continue
-        if any(item == want if tag else item.startswith(want) for item in env):
-            found.append(int(entry.name))
-    return found
 
 
 def group_alive(pgid: int) -> bool:
@@ -134,7 +165,8 @@ def group_alive(pgid: int) -> bool:
 
 
 class LiveServer:
-    """A serving engine started in its own process group, ready when `GET ready_path` answers 200.
+    """A serving engine started in its own process group, ready when `GET ready_path` answers 200 and every socket
+    listening on `port` is held by one of its processes.
 
         with LiveServer(argv, log_path=..., port=...) as server:
             ...  # server.url
@@ -144,13 +176,15 @@ class LiveServer:
     def __init__(self, argv: list[str], *, port: int, log_path: Path, env: dict[str, str] | None = None,
                  ready_path: str = "/health", startup_timeout: float = 600.0, stop_timeout: float = 30.0):
         self.argv, self.port, self.log_path = list(argv), port, Path(log_path)
-        self.env = {**os.environ, **(env or {})}
+        self.command = redact_args(self.argv)  # what is printed, put in errors and in reports
+        self.env = engine_environment(dict(os.environ), env)
         self.ready_path, self.startup_timeout, self.stop_timeout = ready_path, startup_timeout, stop_timeout
         self.tag = uuid.uuid4().hex
         self.env[TAG_VAR] = self.tag
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.pgid: int | None = None
+        self.watchdog: subprocess.Popen | None = None
         self.startup_s: float | None = None
         self._old_sigterm = None
 
@@ -177,12 +211,16 @@ class LiveServer:
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        print(f"[live] starting: {' '.join(self.argv)}\n[live] log: {self.log_path}", flush=True)
+        print(f"[live] starting: {' '.join(self.command)}\n[live] log: {self.log_path}", flush=True)
+        # First, so no server runs unwatched: it kills the server's tree once its stdin, our pipe, closes. Its own
+        # session keeps a terminal's Ctrl-C away from it.
+        self.watchdog = subprocess.Popen([sys.executable, str(Path(__file__).with_name("server_procs.py")), self.tag],
+                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
         with open(self.log_path, "wb") as log:
             try:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                                             preexec_fn=_die_with_parent)
+                                             preexec_fn=die_with_parent_hook())
             except OSError as e:
                 raise ServerStartError(f"cannot run {self.argv[0]!r}: {e}") from e
         self.pgid = self.proc.pid  # start_new_session: the server leads its own group, its workers join it
@@ -190,23 +228,29 @@ class LiveServer:
 
     def wait_ready(self) -> None:
         deadline = self._started + self.startup_timeout
+        foreign = ""  # set once another process answers on our port
         while True:
             code = self.proc.poll()
             if code is not None:
-                raise ServerStartError(f"the server exited with code {code} before it was ready.\n"
-                                       f"command: {' '.join(self.argv)}\nlast lines of {self.log_path}:\n"
-                                       f"{log_tail(self.log_path)}")
-            if self._ready():
-                self.startup_s = time.monotonic() - self._started
-                print(f"[live] server ready after {self.startup_s:.0f} s at {self.url}", flush=True)
-                return
+                raise ServerStartError(self._start_failure(f"the server exited with code {code} before it was ready "
+                                                           f"on port {self.port}{foreign}"))
+            if self._answers():
+                if port_held_by(self.port, tagged_processes(self.tag)):
+                    self.startup_s = time.monotonic() - self._started
+                    print(f"[live] server ready after {self.startup_s:.0f} s at {self.url}", flush=True)
+                    return
+                foreign = f"; another process listens on port {self.port} and answers {self.ready_path}"
             if time.monotonic() > deadline:
-                raise ServerStartError(f"the server was not ready after {self.startup_timeout:.0f} s "
-                                       f"(GET {self.url}{self.ready_path}).\ncommand: {' '.join(self.argv)}\n"
-                                       f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+                raise ServerStartError(self._start_failure(
+                    f"the server was not ready after {self.startup_timeout:.0f} s (GET {self.url}{self.ready_path})"
+                    f"{foreign}"))
             time.sleep(1.0)
 
-    def _ready(self) -> bool:
+    def _start_failure(self, what: str) -> str:
+        return f"{what}.\ncommand: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{log_tail(self.log_path)}"
+
+    def _answers(self) -> bool:
+        """Whatever listens on the port answers `GET ready_path` with 200."""
         try:
             with urllib.request.urlopen(self.url + self.ready_path, timeout=5) as r:
                 return r.status == 200
@@ -230,19 +274,25 @@ class LiveServer:
                         print(f"[live] warning: process group {self.pgid} is still listed {self.stop_timeout:.0f} s "
                               f"after SIGKILL (zombies this machine's init does not reap?); not waiting longer",
                               flush=True)
-            stragglers = tagged_processes(self.tag)  # anything that left the group (setsid) but is still the server's
-            deadline = time.monotonic() + self.stop_timeout
-            while stragglers and time.monotonic() < deadline:  # and gone before we return (slow on a loaded machine)
-                for pid in stragglers:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)
-                time.sleep(0.1)
-                stragglers = tagged_processes(self.tag)
+            # Anything that left the group (setsid) but is still the server's, gone before we return (slow on a
+            # loaded machine).
+            kill_tagged(self.tag, self.stop_timeout)
         finally:
+            self._release_watchdog()
             if self._old_sigterm is not None:
                 with contextlib.suppress(ValueError):
                     signal.signal(signal.SIGTERM, self._old_sigterm)
                 self._old_sigterm = None
+
+    def _release_watchdog(self) -> None:
+        """Close its pipe: it finds nothing left to kill and exits; reaped here."""
+        if self.watchdog is None:
+            return
+        with contextlib.suppress(OSError):
+            self.watchdog.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.watchdog.wait(timeout=self.stop_timeout)
+        self.watchdog = None
 
     def _wait_group_gone(self) -> bool:
         """Wait up to stop_timeout for the group to empty, reaping the leader (our child) so it can; True if it did."""
@@ -490,8 +540,8 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     report = {
         "engine": engine, "algorithm": algorithm, "draft": str(draft_dir), "served_draft": str(served),
         "target": target_name, "dataset": dataset, "num_samples": len(prompt_ids), "max_new_tokens": max_new_tokens,
-        "num_speculative_tokens": gamma, "server_command": argv, "dtype": dtype or ("float32" if engine == "vllm"
-                                                                                     else "auto"),
+        "num_speculative_tokens": gamma, "server_command": server.command,  # secret flag values redacted
+        "dtype": dtype or ("float32" if engine == "vllm" else "auto"),
         "live": live,
         "offline": {k: offline[k] for k in ("accept_len", "accept_rate_at_k", "num_rounds")},
         "accept_len_diff": diff, "tolerance": tolerance, "within_tolerance": diff <= tolerance,

@@ -4,7 +4,10 @@
   serve the gate's drafters, trained once on that file's pytest-xdist worker.
 * The server is always stopped: crash, startup timeout, an error while it runs, Ctrl-C, SIGTERM and a server that
   ignores SIGTERM all leave no process behind (checked by the tag every server process carries in its environment);
-  the real vLLM refusing a DSpark draft on CPU fails with the tail of its log.
+  the real vLLM refusing a DSpark draft on CPU fails with the tail of its log; kill -9 of the eval takes the server's
+  whole tree along.
+* The server is ours and sees and shows no secrets: another process answering on the port is not taken for it, the
+  engine's environment lacks secret-like variables, and secret flag values are redacted wherever the command is shown.
 * SGLang's per-request `meta_info` and `/server_info` are built by SGLang's own code (the functions are read out of the
   sglang==0.5.23 wheel and executed) and parsed by ours.
 """
@@ -12,19 +15,24 @@
 from __future__ import annotations
 
 import ast
+import http.server
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from conftest import ROOT
-from eval.live import (LiveServer, ServerStartError, SpecCounters, free_port,
+from fake_engine import Health
+from eval.live import (TAG_VAR, LiveServer, ServerStartError, SpecCounters, free_port,
                        parse_prometheus, sglang_request_counters, sglang_server_accept_length, tagged_processes,
                        vllm_spec_counters)
 from export.serving import vllm_command
@@ -36,6 +44,30 @@ def fake_server(mode: str, tmp_path: Path, **kwargs) -> LiveServer:
     port = free_port()
     return LiveServer([sys.executable, str(FAKE_ENGINE), mode, str(port)], port=port,
                       log_path=tmp_path / f"{mode}.log", **kwargs)
+
+
+def start_holding_server(mode: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    """A python process holding a LiveServer (fake engine in `mode`) until it is signalled; returns it and the tag."""
+    # SIGINT restored: a shell starts background jobs (`pytest ... &`) with it ignored, and children inherit that
+    script = textwrap.dedent(f"""
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.path.insert(0, {str(ROOT)!r})
+        from eval.live import LiveServer, free_port
+        port = free_port()
+        with LiveServer([sys.executable, {str(FAKE_ENGINE)!r}, {mode!r}, str(port)], port=port,
+                        log_path={str(tmp_path / 'server.log')!r}) as server:
+            print("TAG", server.tag, flush=True)
+            time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    while line and not line.startswith("TAG "):
+        line = proc.stdout.readline()
+    assert line.startswith("TAG "), proc.stderr.read()
+    tag = line.split()[1]
+    assert len(tagged_processes(tag)) == 2
+    return proc, tag
 
 
 def wait_gone(tag: str, timeout: float = 10.0) -> list[int]:
@@ -120,29 +152,86 @@ def test_missing_engine_python_fails_before_any_work(tmp_path):
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupted_eval_stops_the_server(tmp_path, signum):
     """A process holding a LiveServer is interrupted while the server runs: it exits and leaves nothing behind."""
-    # SIGINT restored: a shell starts background jobs (`pytest ... &`) with it ignored, and children inherit that
-    script = textwrap.dedent(f"""
-        import signal, sys, time
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.path.insert(0, {str(ROOT)!r})
-        from eval.live import LiveServer, free_port
-        port = free_port()
-        with LiveServer([sys.executable, {str(FAKE_ENGINE)!r}, "ok", str(port)], port=port,
-                        log_path={str(tmp_path / 'server.log')!r}) as server:
-            print("TAG", server.tag, flush=True)
-            time.sleep(600)
-    """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    while line and not line.startswith("TAG "):
-        line = proc.stdout.readline()
-    assert line.startswith("TAG "), proc.stderr.read()
-    tag = line.split()[1]
-    assert len(tagged_processes(tag)) == 2
+    proc, tag = start_holding_server("ok", tmp_path)
     proc.send_signal(signum)
     proc.wait(timeout=60)
     assert proc.returncode != 0  # interrupted, not a clean finish
     assert wait_gone(tag) == []
+
+
+def test_killed_eval_takes_its_server_along(tmp_path):
+    """kill -9 of the process holding a LiveServer runs no handler of ours: the server (here one that ignores
+    SIGTERM) and its worker are gone anyway."""
+    proc, tag = start_holding_server("stubborn", tmp_path)
+    proc.kill()
+    proc.wait(timeout=60)
+    assert wait_gone(tag) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The server is ours, and sees and shows no secrets
+
+
+def test_impostor_answering_on_the_port_is_not_taken_for_our_server(tmp_path):
+    """Another process took the port between free_port() and the engine's bind, and answers /health: our engine
+    cannot bind and exits, and that is a start failure naming the port, not a server ready against the impostor."""
+    impostor = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    port = impostor.server_address[1]
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    try:
+        server = LiveServer([sys.executable, str(FAKE_ENGINE), "ok", str(port)], port=port,
+                            log_path=tmp_path / "ok.log", startup_timeout=30)
+        with pytest.raises(ServerStartError) as err:
+            with server:
+                pass
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as answer:
+            assert answer.status == 200  # the impostor did answer all along
+    finally:
+        impostor.shutdown()
+        impostor.server_close()
+    assert f"port {port}" in str(err.value) and "Address already in use" in str(err.value)
+    assert wait_gone(server.tag) == []
+
+
+def test_engine_gets_no_secrets_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-parent")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-parent")
+    monkeypatch.setenv("DB_Password", "pw-parent")
+    monkeypatch.setenv("HF_TOKEN", "hf-parent")
+    with fake_server("ok", tmp_path, env={"DRAFTSMITH_TEST_TOKEN": "explicit"}) as server:
+        for pid in tagged_processes(server.tag):  # the engine and the worker it started
+            env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if item)
+            assert not {"OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_Password"} & set(env)
+            assert env["HF_TOKEN"] == "hf-parent" and env["PATH"] == os.environ["PATH"]
+            assert env["DRAFTSMITH_TEST_TOKEN"] == "explicit"  # passed by our code: kept whatever its name
+            assert env[TAG_VAR] == server.tag
+
+
+def test_secret_server_args_are_redacted():
+    from eval.live import redact_args
+
+    args = ["--api-key", "k1", "--hf-token=t2", "--ssl-keyfile-password", "p3", "--admin-api-key", "-k4",
+            "--max-num-batched-tokens", "2048", "--tokenizer", "tok/path", "--skip-tokenizer-init", "--enforce-eager",
+            "--hf-token", "--seed=3"]
+    assert redact_args(args) == [
+        "--api-key", "<redacted>", "--hf-token=<redacted>", "--ssl-keyfile-password", "<redacted>",
+        "--admin-api-key", "<redacted>", "--max-num-batched-tokens", "2048", "--tokenizer", "tok/path",
+        "--skip-tokenizer-init", "--enforce-eager", "--hf-token", "--seed=3"]
+
+
+def test_server_command_is_shown_without_secrets(tmp_path, capsys):
+    """The command line is printed, put in start errors and in report.json (LiveServer.command): values of secret
+    flags are not; the engine itself still gets them."""
+    port = free_port()
+    argv = [sys.executable, str(FAKE_ENGINE), "crash", str(port), "--api-key", "sk-live-1", "--hf-token=hf-live-2"]
+    server = LiveServer(argv, port=port, log_path=tmp_path / "crash.log")
+    with pytest.raises(ServerStartError) as err:
+        with server:
+            pass
+    printed = capsys.readouterr().out + str(err.value)
+    assert "--api-key" in printed and "--hf-token" in printed and str(port) in printed
+    assert "sk-live-1" not in printed and "hf-live-2" not in printed
+    assert server.command == argv[:5] + ["<redacted>", "--hf-token=<redacted>"] and server.argv == argv
 
 
 # ---------------------------------------------------------------------------------------------------------------------
