@@ -15,7 +15,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_M
 # Wheels are installed, not kept: a fresh machine (CI) has no use for a second copy of several GB of them.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: venv venv-vllm demo test clean
+.PHONY: venv venv-vllm demo test drills clean
 
 venv: $(VENV)/.installed
 venv-vllm: $(VLLM_VENV)/.installed
@@ -54,6 +54,11 @@ demo: venv
 
 test: venv venv-vllm
 	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+
+# The drill suite alone (also part of `make test`): kills, full disk, corruption, two runs, failing servers, bad
+# inputs; ends with its summary.
+drills: venv venv-vllm
+	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m drill tests
 
 clean:
 	rm -rf runs .pytest_cache

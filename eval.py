@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval.live import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError, print_live_summary,  # noqa: E402
                        run_live_eval)
 from eval.run import print_summary, run_eval  # noqa: E402
+from modeling.registry import TargetMismatchError  # noqa: E402
 
 
 def _live(args) -> int:
@@ -62,6 +63,9 @@ def main(argv=None) -> int:
                         help="also time plain HF generate (greedy, batch 1) on the same prompts and report the ratio")
     parser.add_argument("--ngram-baseline", action="store_true",
                         help="also decode the same prompts with the n-gram drafter and report tau as a ratio of its")
+    parser.add_argument("--any-target", action="store_true",
+                        help="evaluate even when --target's weights are not the ones the draft was trained on "
+                             "(measuring transfer); refused by default")
     live = parser.add_argument_group("live serving check (--live)")
     live.add_argument("--live", action="store_true", help="serve the draft in --engine and compare with offline tau")
     live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")
@@ -77,11 +81,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.live:
         return _live(args)
-    report = run_eval(draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
-                      num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,
-                      max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
-                      dataset_path=args.dataset_path, scheduler=not args.no_scheduler, hf_generate=args.hf_generate,
-                      ngram_baseline=args.ngram_baseline)
+    try:
+        report = run_eval(draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
+                          num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,
+                          max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
+                          dataset_path=args.dataset_path, scheduler=not args.no_scheduler,
+                          hf_generate=args.hf_generate, ngram_baseline=args.ngram_baseline,
+                          any_target=args.any_target)
+    except TargetMismatchError as exc:
+        print(f"[eval] refused: {exc}", file=sys.stderr)
+        return 2
     print_summary(report)
     print(f"[eval] report: {Path(args.out) / 'report.md'}")
     return 0

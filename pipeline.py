@@ -25,7 +25,7 @@ import yaml
 
 from core import stage
 from core.dist import close_dist, init_dist
-from core.io import LockedError, atomic_write_text, lock_for_process
+from core.io import LockedError, atomic_write_text, lock_for_process, remove_stale_temps
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from data.capture import open_cache, run_cache
 from data.online import OnlineRecords
@@ -91,6 +91,9 @@ def main(argv=None) -> int:
         except LockedError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        stale = remove_stale_temps(out)  # the lock is ours: no other writer's temporaries are in there
+        if stale:
+            print(f"[draftsmith] removed {len(stale)} temporary file(s) an interrupted run left in {out}", flush=True)
     dist = init_dist()
     try:
         if dist.is_main:

@@ -137,12 +137,72 @@ def publish_dir(dst, *, if_exists: str = "replace") -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def is_temporary(name: str) -> bool:
+    """Whether `name` is one of the temporary names this module writes beside a destination: publish_dir's
+    `.<name>.tmp-*` and `.<name>.old-*` folders, atomic_write_bytes' `.<name>.*.tmp` files."""
+    return name.startswith(".") and (".tmp-" in name or ".old-" in name or name.endswith(".tmp"))
+
+
+def remove_stale_temps(root) -> list[Path]:
+    """Delete the temporary files and folders a killed process left anywhere under `root`; returns what went.
+    Only for a folder whose lock this process holds (lock_for_process): another live writer's temporaries would
+    go too."""
+    removed = []
+    for folder, dirs, files in os.walk(root):
+        for name in [d for d in dirs if is_temporary(d)]:
+            dirs.remove(name)  # not walked into: it is going
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            removed.append(Path(folder) / name)
+        for name in files:
+            if is_temporary(name):
+                Path(folder, name).unlink(missing_ok=True)
+                removed.append(Path(folder) / name)
+    return removed
+
+
 def sha256_file(path, chunk: int = 16 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         while block := handle.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def write_failure(path, err: BaseException) -> OSError:
+    """The error to raise when writing `path` failed: which file, why, and the room left on its filesystem (torch's
+    writer reports a full disk as an 'iostream error', Python's names no file)."""
+    folder = Path(path).parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    return OSError(f"could not write {path}: {err} ({free / 2**30:.2f} GiB free on its filesystem; a full disk or a "
+                   f"file-size limit stops writes). Nothing half-written was published: make room and rerun, the run "
+                   f"resumes where it stopped")
+
+
+CHECKSUMS_NAME = "checksums.json"
+
+
+def write_checksums(folder) -> None:
+    """sha256 of every file under `folder` into its checksums.json, so a reader can refuse a damaged file by name."""
+    folder = Path(folder)
+    sums = {str(p.relative_to(folder)): sha256_file(p) for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != CHECKSUMS_NAME}
+    atomic_write_json(folder / CHECKSUMS_NAME, sums)
+
+
+def verify_checksums(folder) -> None:
+    """Raise ValueError naming the first file of `folder` that is missing or differs from its checksums.json (a
+    folder without one, written before checksums existed, is not checked)."""
+    folder = Path(folder)
+    if not (folder / CHECKSUMS_NAME).is_file():
+        return
+    for name, digest in read_json(folder / CHECKSUMS_NAME).items():
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"{path} is missing (listed in {folder / CHECKSUMS_NAME})")
+        if sha256_file(path) != digest:
+            raise ValueError(f"{path} is damaged: its sha256 differs from the one in {folder / CHECKSUMS_NAME}")
 
 
 class LockedError(RuntimeError):

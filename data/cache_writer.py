@@ -23,7 +23,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
-from core.io import atomic_write_bytes, fsync_dir, replace, sync_file
+from core.io import atomic_write_bytes, fsync_dir, replace, sync_file, write_failure
 from data.cache import (ALIGNMENT, CODEC, FORMAT_VERSION, INDEX_NAME, INDEX_STRUCT, MANIFEST_NAME, CacheCorruptedError,
                         CacheMismatchError, CacheSpec, _DTYPES, align, canonical_json, remove_if_exists, shard_name,
                         sidecar_name)
@@ -272,11 +272,13 @@ class CacheWriter:
             with open(sidecar_tmp, "wb") as f:
                 f.write(canonical_json(sidecar))
                 sync_file(f)
-        except BaseException:
+        except BaseException as err:
             # Leave no temp behind on a clean failure (a kill -9 may leave one; it is never read and
             # finalize() removes it).
             remove_if_exists(shard_tmp)
             remove_if_exists(sidecar_tmp)
+            if isinstance(err, OSError):
+                raise write_failure(shard_path, err) from err
             raise
         # Publish the data first, then the sidecar that marks it complete.
         replace(shard_tmp, shard_path)

@@ -23,12 +23,13 @@ from data.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
 from data.regenerate import read_records
 from modeling.eagle3 import count_tokens
-from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size
+from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size, weights_fingerprint
 from core import stage
 from core.dist import Dist, fault_point
 
 
 TOKEN_COUNTS_KEY = "loss_token_counts"  # in the manifest's meta
+TARGET_WEIGHTS_META = "target_weights"  # in the manifest's meta: the weights fingerprint of the target that ran
 
 
 def cache_spec(recipe, hidden_size: int, tokenizer) -> CacheSpec:
@@ -149,7 +150,9 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
     per_shard = recipe.cache.records_per_shard
     writer = CacheWriter(str(out_dir), spec, num_records=len(rows), records_per_shard=per_shard,
                          meta={"regen_records_sha256": records_sha256, "dropped": dropped,
-                               TOKEN_COUNTS_KEY: loss_token_counts(rows)})
+                               TOKEN_COUNTS_KEY: loss_token_counts(rows),
+                               # in the plan too: resuming with other weights at the same path is refused
+                               TARGET_WEIGHTS_META: weights_fingerprint(model)})
     todo = dist.mine(writer.pending_shards())
     todo_tokens = sum(len(r["input_ids"]) for s in todo for r in rows[s * per_shard: (s + 1) * per_shard])
     dtype = getattr(torch, recipe.cache.dtype)

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from data.capture import TOKEN_COUNTS_KEY, capture_rows, loss_token_counts, regen_digest, training_rows
+from modeling.target import weights_fingerprint
+from data.capture import TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, capture_rows, loss_token_counts, regen_digest, training_rows
 
 
 class OnlineRecords:
@@ -42,7 +43,8 @@ class OnlineRecords:
         self.manifest = {"index_sha256": f"online:{records_sha256}", "num_records": len(self.rows),
                          "num_tokens": sum(len(r["input_ids"]) for r in self.rows),
                          "meta": {"regen_records_sha256": records_sha256, "dropped": dropped,
-                                  TOKEN_COUNTS_KEY: loss_token_counts(self.rows)}}
+                                  TOKEN_COUNTS_KEY: loss_token_counts(self.rows),
+                                  TARGET_WEIGHTS_META: weights_fingerprint(get_model())}}
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -91,21 +91,22 @@ def first_turn_ids(tokenizer, prompt, system_prompt: str | None, enable_thinking
                              enable_thinking=enable_thinking)
 
 
-def make_drafter(draft: str, target, gamma: int):
-    """A trained draft folder, `ngram`, or `lm:<path or id>` (a small causal LM with the target's tokenizer)."""
+def make_drafter(draft: str, target, gamma: int, any_target: bool = False):
+    """A trained draft folder, `ngram`, or `lm:<path or id>` (a small causal LM with the target's tokenizer).
+    any_target: accept a target whose weights differ from the draft's own (see modeling.registry)."""
     if draft == "ngram":
         return NgramDrafter(gamma=gamma)
     if draft.startswith("lm:"):
         model = load_target(draft[3:], target.device, dtype=str(target.dtype).removeprefix("torch."))
         return DraftLMDrafter(model, gamma=gamma, vocab_size=target.config.vocab_size)
-    return load_draft(draft, target)
+    return load_draft(draft, target, any_target=any_target)
 
 
 def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int, temperature: float,
              block_size: int | None, max_new_tokens: int, seed: int = 0, system_prompt: str | None = None,
              enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
              scheduler: bool = True, target=None, hf_generate: bool = False, baselines: dict | None = None,
-             ngram_baseline: bool = False) -> dict:
+             ngram_baseline: bool = False, any_target: bool = False) -> dict:
     """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does).
 
     hf_generate: also time plain HF `generate` (greedy, batch size 1) on every prompt, the speed users compare with:
@@ -119,7 +120,7 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     if target is None:
         target = load_target(target_name, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(target_name)
-    drafter = make_drafter(draft, target, block_size or 7)
+    drafter = make_drafter(draft, target, block_size or 7, any_target)
     gamma = block_size or drafter.default_gamma
     prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
     greedy = is_greedy(temperature)

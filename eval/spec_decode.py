@@ -354,10 +354,10 @@ class DraftLMDrafter(Drafter):
 DRAFTERS = {DSparkModel: DSparkDrafter, Eagle3Model: Eagle3Drafter}
 
 
-def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None) -> Drafter:
+def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None, any_target: bool = False) -> Drafter:
     """The drafter saved in `draft_dir` (a training draft folder or a serving export), on the target's device, in
-    `dtype` (default: the target's dtype)."""
-    model = load_draft_model(draft_dir, target_model, dtype=dtype)
+    `dtype` (default: the target's dtype); a target with other weights than its own is refused unless `any_target`."""
+    model = load_draft_model(draft_dir, target_model, dtype=dtype, any_target=any_target)
     return DRAFTERS[type(model)](model)
 
 

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from core import stage
+from core.dist import fault_point
 from core.io import publish_dir, sha256_file
 from export.serving import (ALGORITHMS, ENGINES, SPS_FILENAME, STS_FILENAME, SpsTable, detect_algorithm, load_sts,
                             serve_command)
@@ -364,6 +365,7 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
     with publish_dir(out_dir, if_exists="replace" if overwrite else "error") as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        fault_point("export", 0)  # killed mid-export: only the temporary folder beside out_dir is half written
         if sts.is_file() and algorithm == "dspark":
             shutil.copyfile(sts, tmp / STS_FILENAME)
         if sps.is_file() and algorithm == "dspark":

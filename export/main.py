@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
 
 # `python export/main.py` puts export/ first on sys.path; the project root must come first.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.io import LockedError, lock_for_process  # noqa: E402
+from core.io import LockedError, is_temporary, lock_for_process  # noqa: E402
 from export.convert import export_draft  # noqa: E402
 from export.serving import ALGORITHMS, ENGINES, serve_command  # noqa: E402
 
@@ -43,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # beside --out, not in it: the export replaces the whole folder
         lock_for_process(args.out.parent / f".{args.out.name}.lock", f"--out {args.out}")
+        for stale in args.out.parent.glob(f".{args.out.name}.*"):  # an earlier export killed mid-write left these
+            if is_temporary(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
         out = export_draft(args.checkpoint, args.to, args.out, algorithm=args.algorithm, sts_path=args.sts,
                            sps_path=args.sps, verifier=args.verifier, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError, LockedError) as exc:

@@ -26,8 +26,10 @@ from core.io import publish_dir, sha256_file
 from core.recipe import FAMILIES
 from modeling.dspark import DSparkModel
 from modeling.eagle3 import Eagle3Model
+from modeling.target import weights_fingerprint
 
 CONFIG_NAME = "config.json"
+TARGET_WEIGHTS_KEY = "draftsmith_target_weights"  # config.json: modeling.target.weights_fingerprint of its target
 WEIGHTS_NAME = "model.safetensors"
 
 
@@ -121,12 +123,35 @@ def save_draft(model: nn.Module, path) -> Path:
     return Path(path)
 
 
-def load_draft_model(draft_dir, target_model=None, *, dtype: torch.dtype | None = None) -> nn.Module:
+class TargetMismatchError(ValueError):
+    """A draft meets a target other than the one whose hidden states it was trained on."""
+
+
+def check_target_weights(config: dict, target_model, where) -> None:
+    """Refuse a target whose weights differ from the ones the draft was trained on (`TARGET_WEIGHTS_KEY`, written by
+    training from the cache's manifest or the online target): same name and shape, other weights, reads as a
+    mysteriously low accept length otherwise. Drafts from before the key are not checked."""
+    trained_on = config.get(TARGET_WEIGHTS_KEY)
+    if trained_on is None or target_model is None:
+        return
+    have = weights_fingerprint(target_model)
+    if have != trained_on:
+        raise TargetMismatchError(
+            f"{where} was trained on a target whose weights fingerprint is {trained_on}; this target's is {have} "
+            f"(same shape, other weights: a fine-tune, another checkpoint at the same path). Evaluate with the target "
+            f"it was trained on, or pass --any-target (eval.py) to measure it on this one anyway.")
+
+
+def load_draft_model(draft_dir, target_model=None, *, dtype: torch.dtype | None = None,
+                     any_target: bool = False) -> nn.Module:
     """The model saved in `draft_dir`, frozen, on the target's device in `dtype` (default: the target's dtype, or
-    as saved without a target). Weights a serving export dropped (`target_weights`) are copied from the target."""
+    as saved without a target). Weights a serving export dropped (`target_weights`) are copied from the target.
+    A target other than the draft's own is refused (`check_target_weights`) unless `any_target`."""
     draft_dir = Path(draft_dir)
     config = read_config(draft_dir)
     arch = detect(config, draft_dir / CONFIG_NAME)
+    if not any_target:
+        check_target_weights(config, target_model, draft_dir)
     model = arch.model_class(arch.config_class.from_dict(config))
     missing, unexpected = model.load_state_dict(load_file(str(draft_dir / WEIGHTS_NAME)), strict=False)
     if unexpected or set(missing) - set(arch.target_weights) or (missing and target_model is None):

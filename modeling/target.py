@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import os
 from pathlib import Path
@@ -127,6 +128,21 @@ def target_shape(name_or_path: str) -> dict | None:
         return None
     text = getattr(config, "text_config", config)
     return {"num_layers": getattr(text, "num_hidden_layers", None), "vocab_size": getattr(text, "vocab_size", None)}
+
+
+def weights_fingerprint(model, samples_per_tensor: int = 4096) -> str:
+    """Short sha256 of the target's weights: every parameter's name, shape and an evenly spaced sample of its values,
+    rounded to bf16 so that fp32, bf16 and fp16 loads of one checkpoint agree. It costs milliseconds at any size, and
+    two checkpoints of one shape (a fine-tune, a retrained model at the same path) differ: hidden states, and drafters
+    trained on them, belong to the weights, not to the target's name."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // samples_per_tensor)][:samples_per_tensor]
+            digest.update(f"{name}:{tuple(param.shape)}".encode())
+            digest.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:

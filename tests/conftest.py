@@ -112,13 +112,22 @@ def tree_digest(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def run_cli(args, env_extra=None, torchrun=None):
+def run_cli(args, env_extra=None, torchrun=None, file_size_limit=None):
+    """train/main.py in a subprocess. file_size_limit: RLIMIT_FSIZE in bytes, the disk-full drill (a write past it
+    fails with EFBIG, as a full disk fails with ENOSPC: Python ignores SIGXFSZ)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     env.update(env_extra or {})
     launcher = [sys.executable, "train/main.py"] if torchrun is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}",
         "train/main.py"]
-    return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+    def limit_file_size():
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+
+    return subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                          preexec_fn=limit_file_size if file_size_limit else None)
 
 
 # --- the overfit gate's drafters, trained once a session (the gate tests them, the live vLLM checks serve them) ------
@@ -187,8 +196,30 @@ def vllm_python():
 LONGEST_FILES = ("test_overfit_gate.py", "test_trainer.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the drill marker is added here
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in LONGEST_FILES)
+    for item in items:  # `pytest -m drill` (make drills) runs every test that injects a fault or a bad input
+        if "drill" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.drill)
+
+
+# --- the drill suite -----------------------------------------------------------------------------------------------
+# A test that injects faults (kill -9, a full disk, a corrupted file, a second run, a failing server) or feeds a bad
+# input records each with `drill(kind, what)`; it passes only if the run survived it (resumed to the uninterrupted
+# run's bytes) or refused it naming the cause, with nothing lost. The summary counts them from the tests' reports.
+
+DRILL_KINDS = {"kill": "kill -9 at a fault point", "random-kill": "kill -9 at a random time",
+               "disk-full": "disk full", "corruption": "corrupted file", "two-runs": "two runs on one folder",
+               "server": "failing server", "hung-rank": "a hung rank", "bad-input": "bad input"}
+
+
+@pytest.fixture
+def drill(record_property):
+    def note(kind: str, what: str) -> None:
+        assert kind in DRILL_KINDS, kind
+        record_property("drill", [kind, what])
+    return note
 
 
 # --- figures worth seeing in a CI log ------------------------------------------------------------------------------
@@ -203,3 +234,34 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("figures (live serving checks, overfit gate)")
         for line in sorted(lines):
             terminalreporter.write_line(line)
+    drill_summary(terminalreporter)
+
+
+def drill_summary(terminalreporter) -> None:
+    """What `make drills` prints: faults injected and survived, bad inputs tried and refused, per kind."""
+    from collections import Counter
+
+    done, failed = Counter(), Counter()
+    failed_tests = []
+    for key in ("passed", "failed"):
+        for report in terminalreporter.stats.get(key, []):
+            noted = [value for name, value in report.user_properties if name == "drill"]
+            if report.when != "call" or not noted:
+                continue
+            (done if key == "passed" else failed).update(kind for kind, _ in noted)
+            if key == "failed":
+                failed_tests.append(report.nodeid)
+    if not done and not failed:
+        return
+    faults = [k for k in DRILL_KINDS if k != "bad-input"]
+    injected, survived = sum(done[k] + failed[k] for k in faults), sum(done[k] for k in faults)
+    write = terminalreporter.write_line
+    terminalreporter.section("drills (faults injected, bad inputs tried)")
+    write(f"faults injected: {injected}; survived (resumed to the uninterrupted run's bytes, or refused naming the "
+          f"cause): {survived}")
+    for kind in faults:
+        if done[kind] + failed[kind]:
+            write(f"  {DRILL_KINDS[kind]}: {done[kind]}/{done[kind] + failed[kind]}")
+    tried = done["bad-input"] + failed["bad-input"]
+    write(f"bad inputs tried: {tried}; refused before any work, naming the key or file: {done['bad-input']}")
+    write("nothing lost: " + ("yes" if not failed_tests else "NO, see " + ", ".join(failed_tests)))

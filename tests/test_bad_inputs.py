@@ -52,7 +52,9 @@ CASES = [
 
 @pytest.mark.parametrize("sets,stages,fragments", CASES, ids=[next(iter(c[0])) + "=" + str(next(iter(c[0].values())))
                                                               for c in CASES])
-def test_bad_value_is_refused_before_any_work(sets, stages, fragments, tiny_qwen3, prompt_file, tmp_path, capsys):
+def test_bad_value_is_refused_before_any_work(sets, stages, fragments, tiny_qwen3, prompt_file, tmp_path, capsys,
+                                              drill):
+    drill("bad-input", f"--set {sets}")
     out = tmp_path / "run"
     code = main(["--recipe", "dspark_qwen3_8b", "--stages", stages, "--out", str(out)]
                 + tiny_overrides(tiny_qwen3, prompt_file, **sets))
@@ -63,7 +65,8 @@ def test_bad_value_is_refused_before_any_work(sets, stages, fragments, tiny_qwen
     assert not out.exists()  # nothing half-written, nothing marked done
 
 
-def test_malformed_yaml_names_the_file(tmp_path, capsys):
+def test_malformed_yaml_names_the_file(tmp_path, capsys, drill):
+    drill("bad-input", "malformed recipe YAML")
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("family: dspark\ntrain: {max_steps: 10\n")
     out = tmp_path / "run"

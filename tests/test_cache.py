@@ -181,7 +181,8 @@ KILL_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.parametrize("mode", ["sigkill", "os_exit", "before_sidecar", "after_index", "after_manifest"])
-def test_interrupted_writer_resumes_to_identical_bytes(tmp_path, mode):
+def test_interrupted_writer_resumes_to_identical_bytes(tmp_path, mode, drill):
+    drill("kill", f"cache writer stopped: {mode}")
     ref, out = tmp_path / "ref", tmp_path / "out"
     write_cache(ref)
     script = tmp_path / "killer.py"
@@ -262,7 +263,8 @@ def test_reading_before_finalize_is_refused(tmp_path):
         w.write_shard(0, [])
 
 
-def test_temp_leftover_never_counts_as_shard(tmp_path):
+def test_temp_leftover_never_counts_as_shard(tmp_path, drill):
+    drill("corruption", "a temporary shard left by a crash")
     w = CacheWriter(str(tmp_path), SPEC, NUM_RECORDS, PER_SHARD)
     for s in (0, 1, 3):
         w.write_shard(s, (make_record(r) for r in w.shard_range(s)))
@@ -316,7 +318,8 @@ def test_a_recipe_reading_a_subset_of_the_layers_gets_their_columns(tmp_path):
         assert torch.equal(subset[i]["last_hidden_state"], full[i]["last_hidden_state"])
 
 
-def test_flipped_byte_detected(tmp_path):
+def test_flipped_byte_detected(tmp_path, drill):
+    drill("corruption", "a flipped byte in a cache shard")
     write_cache(tmp_path)
     ds = TargetCache(str(tmp_path))
     # Flip one byte inside record 4's hidden states (shard 1).
@@ -339,7 +342,8 @@ def test_flipped_byte_detected(tmp_path):
         ds.verify()
 
 
-def test_truncated_shard_refused_on_open(tmp_path):
+def test_truncated_shard_refused_on_open(tmp_path, drill):
+    drill("corruption", "a truncated cache shard")
     write_cache(tmp_path)
     path = tmp_path / "shard-00002.bin"
     path.write_bytes(path.read_bytes()[:-64])
@@ -347,7 +351,8 @@ def test_truncated_shard_refused_on_open(tmp_path):
         TargetCache(str(tmp_path))
 
 
-def test_unknown_codec_refused(tmp_path):
+def test_unknown_codec_refused(tmp_path, drill):
+    drill("corruption", "a manifest naming an unknown codec")
     write_cache(tmp_path)
     mpath = tmp_path / "manifest.json"
     m = json.loads(mpath.read_text())

@@ -26,7 +26,8 @@ def test_cpu_collectives_work_when_the_accelerator_backend_refuses_cpu_tensors(t
         assert seen["sum"] == [2.0, 1.0] and seen["max"] == 1.5 and seen["ok"]
 
 
-def test_per_step_collectives_time_out_but_the_long_wait_does_not(tmp_path):
+def test_per_step_collectives_time_out_but_the_long_wait_does_not(tmp_path, drill):
+    drill("hung-rank", "a rank that stops answering")
     # per-step timeout 3 s, long wait 60 s
     ranks = run_workers("timeouts", tmp_path, DRAFTSMITH_DIST_TIMEOUT_MIN="0.05",
                         DRAFTSMITH_DIST_WAIT_TIMEOUT_MIN="1")

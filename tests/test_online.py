@@ -11,7 +11,8 @@ from pipeline import main
 from test_trainer import TRAIN, assert_same_run, metrics
 
 
-def test_online_run_equals_offline_run_and_resumes_exactly(tiny_qwen3, prompt_file, tmp_path):
+def test_online_run_equals_offline_run_and_resumes_exactly(tiny_qwen3, prompt_file, tmp_path, drill):
+    drill("kill", "kill -9 at train:3, online hidden states")
     offline, online = tmp_path / "offline", tmp_path / "online"
     # One conversation per target forward in both runs: a padded batch of other rows may round a state differently.
     sets = {**TRAIN, "train.max_steps": 6, "train.save_every": 2, "cache.batch_size": 1}

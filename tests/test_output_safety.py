@@ -12,7 +12,8 @@ from export.main import main as export_main
 from test_export import make_block_draft
 
 
-def test_overwrite_replaces_an_export_but_never_a_run_folder(tmp_path, capsys):
+def test_overwrite_replaces_an_export_but_never_a_run_folder(tmp_path, capsys, drill):
+    drill("bad-input", "export --overwrite aimed at a run folder")
     draft = make_block_draft(tmp_path / "draft", markov_rank=0, sample_from_anchor=False)
     out = tmp_path / "export"
     assert export_main(["--checkpoint", str(draft), "--to", "sglang", "--out", str(out)]) == 0
@@ -48,7 +49,8 @@ def hold_lock_in_another_process(lock_path):
     return holder
 
 
-def test_two_exports_to_one_out_refuse_naming_the_holder(tmp_path, capsys):
+def test_two_exports_to_one_out_refuse_naming_the_holder(tmp_path, capsys, drill):
+    drill("two-runs", "two exports to one --out")
     draft = make_block_draft(tmp_path / "draft", markov_rank=0, sample_from_anchor=False)
     out = tmp_path / "export"
     holder = hold_lock_in_another_process(tmp_path / ".export.lock")
@@ -62,7 +64,8 @@ def test_two_exports_to_one_out_refuse_naming_the_holder(tmp_path, capsys):
     assert export_main(["--checkpoint", str(draft), "--to", "sglang", "--out", str(out)]) == 0
 
 
-def test_two_pipeline_runs_on_one_out_refuse_naming_the_holder(tmp_path):
+def test_two_pipeline_runs_on_one_out_refuse_naming_the_holder(tmp_path, drill):
+    drill("two-runs", "two pipeline runs on one --out")
     out = tmp_path / "run"
     holder = hold_lock_in_another_process(out / ".draftsmith.lock")
     try:

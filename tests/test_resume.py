@@ -26,7 +26,8 @@ def make_checkpoints(root: Path, steps, latest=None):
         (root / "latest").write_text(latest + "\n")
 
 
-def test_latest_pointer_is_a_plain_step_name_inside_the_checkpoint_folder(tmp_path):
+def test_latest_pointer_is_a_plain_step_name_inside_the_checkpoint_folder(tmp_path, drill):
+    drill("corruption", "`latest` holding a path, a link, garbage")
     root = tmp_path / "checkpoints"
     make_checkpoints(root, [2, 4], latest="step-0000004")
     assert trainer.latest_checkpoint(root) == root / "step-0000004"
@@ -43,7 +44,8 @@ def test_latest_pointer_is_a_plain_step_name_inside_the_checkpoint_folder(tmp_pa
         trainer.latest_checkpoint(root)
 
 
-def test_latest_naming_a_missing_folder_fails_naming_it(tmp_path):
+def test_latest_naming_a_missing_folder_fails_naming_it(tmp_path, drill):
+    drill("corruption", "`latest` naming a missing checkpoint")
     root = tmp_path / "checkpoints"
     make_checkpoints(root, [2], latest="step-0000004")
     with pytest.raises(FileNotFoundError) as err:
@@ -62,7 +64,8 @@ class Payload:
         return (Path.touch, (Path(self.marker),))
 
 
-def test_checkpoint_files_load_without_running_code(tmp_path):
+def test_checkpoint_files_load_without_running_code(tmp_path, drill):
+    drill("corruption", "crafted trainer_state.pt / optimizer.pt")
     ckpt, marker = tmp_path / "step-0000002", tmp_path / "code-ran"
     ckpt.mkdir()
     module = torch.nn.Linear(2, 2)
@@ -138,7 +141,8 @@ def logger_recipe():
     return SimpleNamespace(name="r", train=SimpleNamespace(wandb_project=None))
 
 
-def test_metrics_with_a_cut_off_last_line_resume(tmp_path):
+def test_metrics_with_a_cut_off_last_line_resume(tmp_path, drill):
+    drill("corruption", "metrics.jsonl cut mid-line")
     path = tmp_path / "metrics.jsonl"
     rows = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
     path.write_text("\n".join(rows) + '\n{"step": 4, "lo')  # killed (or disk full) mid-append
@@ -146,7 +150,8 @@ def test_metrics_with_a_cut_off_last_line_resume(tmp_path):
     assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
 
 
-def test_metrics_corrupt_before_the_end_is_an_error_naming_file_and_line(tmp_path):
+def test_metrics_corrupt_before_the_end_is_an_error_naming_file_and_line(tmp_path, drill):
+    drill("corruption", "metrics.jsonl corrupt mid-file")
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\nGARBAGE\n{"step": 3}\n')
     with pytest.raises(ValueError) as err:
@@ -165,7 +170,8 @@ def test_wandb_run_id_is_the_same_in_every_process(tmp_path):
     assert trainer.wandb_run_id("dspark", tmp_path / "run") != trainer.wandb_run_id("dspark", tmp_path / "other")
 
 
-def test_deepspeed_checkpoints_load_without_running_code(tmp_path):
+def test_deepspeed_checkpoints_load_without_running_code(tmp_path, drill):
+    drill("corruption", "crafted DeepSpeed checkpoint")
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "deepspeed_load_worker.py"), str(tmp_path / "ckpt"),
                            str(tmp_path / "code-ran")], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -31,8 +31,8 @@ from eval.spec_decode import (
 from export.convert import export_draft
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping
-from modeling.target import capture_hidden_states
-from modeling.registry import save_draft
+from modeling.target import capture_hidden_states, weights_fingerprint
+from modeling.registry import TARGET_WEIGHTS_KEY, TargetMismatchError, save_draft
 
 V, H, LAYER_IDS, GAMMA = 300, 64, [0, 1, 2], 4
 PROMPTS = [[7], [3, 14, 15, 92, 65], [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]]
@@ -356,6 +356,25 @@ def test_load_draft_round_trip(target, tmp_path):
     (tmp_path / "bad" / "config.json").write_text('{"architectures": ["MysteryDrafter"]}')
     with pytest.raises(ValueError, match="Qwen3DSparkModel"):
         load_draft(tmp_path / "bad", target)
+
+
+def test_a_draft_refuses_a_target_with_other_weights(target, tmp_path):
+    """Same name, same shape, other weights (a fine-tune): the draft's recorded fingerprint refuses it, naming both;
+    dtype alone (fp32 vs bf16 loads of one checkpoint) is not a difference."""
+    assert weights_fingerprint(target) == weights_fingerprint(copy.deepcopy(target).to(torch.bfloat16))
+    tuned = make_draft_lm(target, noise=0.01)
+    assert weights_fingerprint(tuned) != weights_fingerprint(target)
+    dspark = make_dspark(target)
+    setattr(dspark.config, TARGET_WEIGHTS_KEY, weights_fingerprint(target))
+    save_draft(dspark, tmp_path / "dspark")
+    assert isinstance(load_draft(tmp_path / "dspark", target), DSparkDrafter)
+    with pytest.raises(TargetMismatchError, match=weights_fingerprint(tuned)) as refused:
+        load_draft(tmp_path / "dspark", tuned)
+    assert weights_fingerprint(target) in str(refused.value) and "--any-target" in str(refused.value)
+    assert isinstance(load_draft(tmp_path / "dspark", tuned, any_target=True), DSparkDrafter)
+    # the serving export keeps the key, so an exported draft is checked too
+    with pytest.raises(TargetMismatchError):
+        load_draft(export_draft(tmp_path / "dspark", "sglang", tmp_path / "export"), tuned)
 
 
 # --- T>0: rejection sampling keeps the target distribution ---------------------------------------------------------

@@ -10,6 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import run_cli, tiny_overrides
+from modeling.registry import TARGET_WEIGHTS_KEY
+from modeling.target import load_target, weights_fingerprint
 
 TRAIN = {
     "draft.num_layers": 1, "draft.num_anchors": 6, "draft.block_size": 3, "draft.markov_rank": 8,
@@ -78,6 +80,10 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     final = out / "train" / "final"
     config = json.loads((final / "config.json").read_text())
     weights = load_file(str(final / "model.safetensors"))
+    # it names the weights of the target its hidden states came from (eval refuses another target of that shape)
+    manifest = json.loads((out / "cache" / "manifest.json").read_text())
+    assert config[TARGET_WEIGHTS_KEY] == manifest["meta"]["target_weights"] == \
+        weights_fingerprint(load_target(str(tiny_qwen3)))
     if family == "eagle3":
         assert config["architectures"] == ["LlamaForCausalLMEagle3"]
         assert weights["lm_head.weight"].shape[0] == 512 and "d2t" in weights and "midlayer.self_attn.q_proj.weight" in weights
@@ -137,7 +143,8 @@ def assert_same_run(a, b):
 # A kill at train:3 under ZeRO-0 is test_resume_refuses_a_missing_latest_target_and_survives_a_cut_off_metrics_line's.
 @pytest.mark.parametrize("zero_stage,kill_at", [(2, "train:3"), (0, "train-save:4")])
 def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, uninterrupted, tiny_qwen3, prompt_file,
-                                             tmp_path):
+                                             tmp_path, drill):
+    drill("kill", f"kill -9 at {kill_at}, ZeRO-{zero_stage}")
     clean, crashed = uninterrupted(zero_stage), copy_run(prepared, "dspark", tmp_path / "crash")
     extra = {"train.zero_stage": zero_stage}
     # keep_checkpoints is not a result-changing setting: the resumed run may use another value (the default 2)
@@ -219,7 +226,8 @@ def test_eval_and_export_stages_run_again_when_their_inputs_change(prepared, tin
     assert torch.equal(exported["fc.weight"], weights["fc.weight"])
 
 
-def test_kill_after_the_final_save_resumes_to_done(prepared, tiny_qwen3, prompt_file, tmp_path):
+def test_kill_after_the_final_save_resumes_to_done(prepared, tiny_qwen3, prompt_file, tmp_path, drill):
+    drill("kill", "kill -9 after the final save")
     out = copy_run(prepared, "dspark", tmp_path / "run")
     killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out), {"DRAFTSMITH_KILL_AT": "train:6"})
     assert killed.returncode == -9
@@ -236,7 +244,10 @@ def test_kill_after_the_final_save_resumes_to_done(prepared, tiny_qwen3, prompt_
 
 def test_resume_refuses_a_missing_latest_target_and_survives_a_cut_off_metrics_line(prepared, uninterrupted,
                                                                                       tiny_qwen3, prompt_file,
-                                                                                      tmp_path):
+                                                                                      tmp_path, drill):
+    drill("kill", "kill -9 at train:3, ZeRO-0")
+    drill("corruption", "`latest` naming a removed checkpoint")
+    drill("corruption", "metrics.jsonl cut mid-line, then resumed")
     out = copy_run(prepared, "dspark", tmp_path / "run")
     args = train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out)
     assert run_cli(args, {"DRAFTSMITH_KILL_AT": "train:3"}).returncode == -9

@@ -31,8 +31,9 @@ import torch
 from tqdm.auto import tqdm
 
 from core import stage
-from core.io import atomic_write_text, publish_dir, sync_tree
-from modeling.registry import draft_digest, load_draft_model
+from core.io import atomic_write_text, publish_dir, sync_tree, verify_checksums, write_checksums, write_failure
+from data.capture import TARGET_WEIGHTS_META
+from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
 from train.algorithms import attach_hidden, get_algorithm
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
 from core.recipe import recipe_to_dict
@@ -99,17 +100,20 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
     if dist.is_main:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    if engine.kind == "deepspeed":
-        engine.module.save_checkpoint(str(path), tag="zero")
-    elif dist.is_main:
-        torch.save({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
-    if dist.is_main:
-        module.save_draft(path / "draft")
-        fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last one
-        torch.save({"step": step, "model": module.state_dict(), **extra},
-                   path / "trainer_state.pt")
+    try:
+        if engine.kind == "deepspeed":
+            engine.module.save_checkpoint(str(path), tag="zero")
+        elif dist.is_main:
+            torch.save({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
+        if dist.is_main:
+            module.save_draft(path / "draft")
+            fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last
+            torch.save({"step": step, "model": module.state_dict(), **extra}, path / "trainer_state.pt")
+    except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError ('iostream error')
+        raise write_failure(path, err) from err
     dist.barrier()
     if dist.is_main:
+        write_checksums(path)  # a resume refuses a damaged file by name instead of training on it
         # On the disk before `latest` names it (and before pruning deletes the older ones): after a power cut,
         # `latest` never points at files still in the page cache only.
         sync_tree(path)
@@ -171,6 +175,12 @@ def _safe_deepspeed_loads(ds_engine) -> None:
 
 
 def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
+    try:
+        verify_checksums(path)
+    except ValueError as err:
+        raise ValueError(f"{err}: refusing to resume from it. Delete {path} and write the name of an older "
+                         f"checkpoint into the checkpoints' `latest` file, or delete the checkpoints to train from "
+                         f"step 0") from None
     state = load_tensors(path / "trainer_state.pt")
     if engine.kind == "deepspeed":
         _safe_deepspeed_loads(engine.module)
@@ -394,6 +404,11 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
     module = algo.build(recipe, get_target(), cache)
     if init_from is not None:
         module.draft.load_state_dict(load_draft_model(init_from, get_target(), dtype=torch.float32).state_dict())
+    # The draft names the weights its hidden states came from; eval refuses a target with others (same shape).
+    trained_on = cache.manifest.get("meta", {}).get(TARGET_WEIGHTS_META) or (
+        read_config(init_from).get(TARGET_WEIGHTS_KEY) if init_from is not None else None)
+    if trained_on:
+        setattr(module.draft.config, TARGET_WEIGHTS_KEY, trained_on)
     module = module.to(dist.device)
     engine = Engine(module, recipe, dist, grad_accum)
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)

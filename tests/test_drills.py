@@ -1,0 +1,177 @@
+"""The fault drills on a whole run (regenerate, cache, train, export on the tiny Qwen3): kill -9 at every stage's
+fault point in turn, kill -9 at random times, a disk that fills during the cache and the checkpoint writes, and
+corrupted files. Each faulted run must end, once rerun, with exactly the bytes of the uninterrupted run, or be refused
+naming the damaged file, with nothing else lost. `make drills` runs these with every other drill and prints the
+summary (conftest.drill_summary)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli, tiny_overrides, tree_digest
+from core.io import is_temporary
+from core.recipe import load_recipe
+from data.capture import open_cache
+from modeling.target import load_tokenizer
+from pipeline import main
+from test_trainer import TRAIN, strip_timing
+
+STAGES = "regenerate,cache,train,export"
+SETS = {**TRAIN, "train.max_steps": 4}
+
+
+def args_for(tiny_qwen3, prompt_file, out) -> list[str]:
+    return ["--recipe", "dspark_qwen3_8b", "--stages", STAGES, "--out", str(out)] + tiny_overrides(
+        tiny_qwen3, prompt_file, **SETS)
+
+
+def artefacts(out) -> dict:
+    """What a run leaves that must not depend on how often it was killed: every file of the regenerated records,
+    the cache, the final draft and the export (not DONE.json's timings), and the metrics without their timings."""
+    files = {}
+    for stage_dir in ("regen", "cache", "train/final", "export"):
+        for name, digest in tree_digest(out / stage_dir).items():
+            if not name.endswith("DONE.json"):
+                files[f"{stage_dir}/{name}"] = digest
+    rows = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
+    files["train/metrics.jsonl"] = strip_timing(rows)
+    return files
+
+
+def leftovers(out) -> list[str]:
+    """Temporary files and folders under `out` (a killed write leaves them; the next run removes them)."""
+    return sorted(str(p.relative_to(out)) for p in out.rglob(".*") if is_temporary(p.name))
+
+
+@pytest.fixture(scope="module")
+def clean(tiny_qwen3, prompt_file, tmp_path_factory):
+    """The uninterrupted run (a subprocess, as the faulted ones) and its wall time."""
+    out = tmp_path_factory.mktemp("clean") / "run"
+    start = time.perf_counter()
+    done = run_cli(args_for(tiny_qwen3, prompt_file, out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"out": out, "seconds": time.perf_counter() - start, "artefacts": artefacts(out)}
+
+
+def test_kill_at_every_fault_point_then_rerun_gives_the_same_bytes(clean, tiny_qwen3, prompt_file, tmp_path, drill):
+    out = tmp_path / "run"
+    args = args_for(tiny_qwen3, prompt_file, out)
+    # in pipeline order: each rerun gets past the last kill and dies at the next point
+    for point in ("regenerate:1", "cache:1", "train:3", "train-save:4", "export:0"):
+        killed = run_cli(args, {"DRAFTSMITH_KILL_AT": point})
+        assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.stderr[-3000:]}"
+        drill("kill", f"kill -9 at {point}")
+        if point == "regenerate:1":
+            assert not (out / "regen" / "DONE.json").exists()
+        if point == "cache:1":  # a half-written cache is refused by its reader, not read
+            assert not (out / "cache" / "manifest.json").exists()
+            recipe = load_recipe("dspark_qwen3_8b", ["target.name_or_path=" + str(tiny_qwen3)])
+            with pytest.raises(Exception, match="re-run the cache stage"):
+                open_cache(recipe, out / "cache", 64, load_tokenizer(str(tiny_qwen3)))
+    assert not (out / "export" / "DONE.json").exists()
+    resumed = run_cli(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "temporary file(s) an interrupted run left" in resumed.stdout  # the export's, killed mid-write
+    assert artefacts(out) == clean["artefacts"] and leftovers(out) == []
+
+
+def test_kill_at_random_times_then_rerun_gives_the_same_bytes(clean, tiny_qwen3, prompt_file, tmp_path, drill):
+    out = tmp_path / "run"
+    args = args_for(tiny_qwen3, prompt_file, out)
+    rng = random.Random(20261201)
+    for cycle in range(3):
+        delay = rng.uniform(0.15, 0.9) * clean["seconds"]
+        proc = subprocess.Popen([sys.executable, "train/main.py"] + args, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        drill("random-kill", f"kill -9 after {delay:.1f} s (cycle {cycle})")
+    resumed = run_cli(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert artefacts(out) == clean["artefacts"] and leftovers(out) == []
+
+
+def test_a_full_disk_fails_the_write_and_the_rerun_gives_the_same_bytes(clean, tiny_qwen3, prompt_file, tmp_path,
+                                                                       drill):
+    """RLIMIT_FSIZE below the cache's shards, then below the checkpoint's largest file: the stage writing fails with
+    the OS error, marks nothing done and publishes nothing half-written; with room again the rerun finishes."""
+    sizes = {stage_dir: max(p.stat().st_size for p in (clean["out"] / stage_dir).rglob("*") if p.is_file())
+             for stage_dir in ("regen", "cache", "train/checkpoints")}
+    assert sizes["regen"] < sizes["cache"] < sizes["train/checkpoints"], sizes
+    out = tmp_path / "run"
+    args = args_for(tiny_qwen3, prompt_file, out)
+
+    full = run_cli(args, file_size_limit=sizes["regen"] + 1)
+    assert full.returncode != 0, full.stderr[-3000:]
+    assert "could not write" in full.stderr and "shard-00000.bin" in full.stderr, full.stderr[-3000:]
+    assert (out / "regen" / "DONE.json").is_file() and not (out / "cache" / "DONE.json").exists()
+    assert not (out / "cache" / "manifest.json").exists()
+    drill("disk-full", "disk full while writing cache shards")
+
+    full = run_cli(args, file_size_limit=sizes["cache"] + 1)
+    assert full.returncode != 0, full.stderr[-3000:]
+    assert "could not write" in full.stderr and "step-0000002" in full.stderr, full.stderr[-3000:]
+    assert (out / "cache" / "DONE.json").is_file() and not (out / "train" / "DONE.json").exists()
+    assert not (out / "train" / "checkpoints" / "latest").exists()  # nothing names the half-written checkpoint
+    drill("disk-full", "disk full while writing a checkpoint")
+
+    resumed = run_cli(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert artefacts(out) == clean["artefacts"] and leftovers(out) == []
+
+
+def _flip_byte(path, at=0.5):
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+# (what is damaged, how, the stages rerun, a fragment the refusal must hold, the file it must name)
+CORRUPTIONS = [
+    ("cache/manifest.json", lambda p: p.write_text(p.read_text()[:-40]), "train", "manifest", "manifest.json"),
+    ("cache/index.bin", _truncate, "train", "index", "index.bin"),
+    ("cache/shard-00001.bin", _flip_byte, "train", "crc", "shard-00001.bin"),
+    ("train/checkpoints/latest", lambda p: p.write_text("../../etc\n"), "train", "refusing", "latest"),
+    ("train/checkpoints/step-0000004/trainer_state.pt", _truncate, "train", "damaged", "trainer_state.pt"),
+    ("train/checkpoints/step-0000004/optimizer.pt", _flip_byte, "train", "damaged", "optimizer.pt"),
+    ("train/checkpoints/step-0000004/draft/model.safetensors", _flip_byte, "train", "damaged", "model.safetensors"),
+]
+
+
+@pytest.mark.parametrize("damaged,damage,stages,cause,named", CORRUPTIONS, ids=[c[0] for c in CORRUPTIONS])
+def test_a_corrupted_file_is_refused_naming_it_and_nothing_else_changes(clean, tiny_qwen3, prompt_file, tmp_path,
+                                                                       drill, capsys, damaged, damage, stages,
+                                                                       cause, named):
+    out = tmp_path / "run"
+    shutil.copytree(clean["out"], out)
+    if stages == "train" and damaged.startswith("cache/"):
+        shutil.rmtree(out / "train")  # a new training run on the damaged cache
+    else:
+        (out / "train" / "DONE.json").unlink()  # a resume from the damaged checkpoint
+    damage(out / damaged)
+    before = tree_digest(out)
+    before.pop(".draftsmith.lock")  # the lock file holds the running process's pid
+    args = args_for(tiny_qwen3, prompt_file, out)
+    args[args.index("--stages") + 1] = stages
+    with pytest.raises(Exception) as refused:
+        main(args)
+    message = str(refused.value)
+    assert cause in message.lower() and named in message, message
+    after = tree_digest(out)
+    assert {name: after.get(name) for name in before} == before  # every file as it was: none changed, none removed
+    drill("corruption", f"damaged {damaged}")
