@@ -88,6 +88,9 @@ class RegenConfig:
     batch_size: int = 16
     max_concurrency: int = 64
     request_timeout_s: float = 600.0
+    #: tries per request (openai backend): HTTP 429, 5xx, refused connections and timeouts are tried again after a
+    #: backoff (a Retry-After header is honoured, up to 30 s); what still fails is asked again by the next run.
+    request_attempts: int = 3
 
 
 @dataclass
@@ -415,6 +418,7 @@ def _check_values(recipe: Recipe) -> None:
         "loss.step_loss_decay": recipe.loss.step_loss_decay,
         "regen.max_concurrency": recipe.regen.max_concurrency,
         "regen.request_timeout_s": recipe.regen.request_timeout_s,
+        "regen.request_attempts": recipe.regen.request_attempts,
         "draft.num_anchors": recipe.draft.num_anchors,
         "draft.ttt_length": recipe.draft.ttt_length,
         "eval.num_samples": recipe.eval.num_samples,

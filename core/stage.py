@@ -38,42 +38,51 @@ def _flatten(obj, prefix="") -> dict:
     return {prefix.rstrip("."): obj}
 
 
-def _changes(stage_dir: Path, settings: dict) -> list[str]:
-    """What differs between `settings` and the ones pinned to `stage_dir` (nothing pinned yet: no difference)."""
+def pinned(stage_dir: Path) -> dict:
+    """The settings pinned to `stage_dir` ({} when none are yet)."""
     path = Path(stage_dir) / SETTINGS_NAME
-    if not path.is_file():
-        return []
-    old, new = _flatten(read_json(path)), _flatten(json.loads(json.dumps(settings)))
-    return [f"{k}: {old.get(k)!r} in the folder, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)]
+    return read_json(path) if path.is_file() else {}
 
 
-def begin(stage_dir: Path, settings: dict, is_main: bool = True) -> None:
-    """Pin `settings` to `stage_dir` (first run) or check they match what the folder was made with."""
+def _changes(stage_dir: Path, settings: dict) -> dict[str, str]:
+    """{dotted key: what differs} between `settings` and the ones pinned to `stage_dir` (nothing pinned: nothing)."""
+    if not (Path(stage_dir) / SETTINGS_NAME).is_file():
+        return {}
+    old, new = _flatten(pinned(stage_dir)), _flatten(json.loads(json.dumps(settings)))
+    return {k: f"{k}: {old.get(k)!r} in the folder, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)}
+
+
+def begin(stage_dir: Path, settings: dict, is_main: bool = True, notes: dict[str, str] | None = None) -> None:
+    """Pin `settings` to `stage_dir` (first run) or check they match what the folder was made with. `notes`: a
+    sentence per (dotted) key, added to the refusal when that key differs (what a digest's change means)."""
     diff = _changes(stage_dir, settings)
     if diff:
+        explained = [note for key, note in (notes or {}).items() if key in diff]
         raise StageMismatchError(
-            f"{stage_dir} was made with other settings:\n  " + "\n  ".join(diff)
+            f"{stage_dir} was made with other settings:\n  " + "\n  ".join(diff.values())
+            + "".join(f"\n{note}" for note in explained)
             + f"\nUse another --out, or delete {stage_dir} to rebuild it."
         )
     if is_main and not (Path(stage_dir) / SETTINGS_NAME).is_file():
         atomic_write_json(Path(stage_dir) / SETTINGS_NAME, settings)
 
 
-def start(stage_dir: Path, settings: dict, name: str, is_main: bool = True, on_change: str = "refuse") -> dict | None:
+def start(stage_dir: Path, settings: dict, name: str, is_main: bool = True, on_change: str = "refuse",
+          notes: dict[str, str] | None = None) -> dict | None:
     """`begin`, then the stage's DONE.json contents when it is already complete (the caller skips), else None.
 
     on_change="rerun" (stages that only derive a report from inputs they pin, like eval and export): other settings
     than the folder's unpin it and run the stage again instead of refusing; nothing costly is lost."""
     if on_change not in ("refuse", "rerun"):
         raise ValueError(f"on_change must be 'refuse' or 'rerun', got {on_change!r}")
-    diff = _changes(stage_dir, settings) if on_change == "rerun" else []
+    diff = _changes(stage_dir, settings) if on_change == "rerun" else {}
     if diff and is_main:
-        print(f"[{name}] {stage_dir} was made with other settings; running it again:\n  " + "\n  ".join(diff),
-              flush=True)
+        print(f"[{name}] {stage_dir} was made with other settings; running it again:\n  "
+              + "\n  ".join(diff.values()), flush=True)
         (Path(stage_dir) / DONE_NAME).unlink(missing_ok=True)  # first: a crash from here on leaves it not done
         atomic_write_json(Path(stage_dir) / SETTINGS_NAME, settings)
-    begin(stage_dir, settings, is_main)
+    begin(stage_dir, settings, is_main, notes)
     if not is_done(stage_dir):
         return None
     if is_main:

@@ -39,12 +39,14 @@ def cache_spec(recipe, hidden_size: int, tokenizer) -> CacheSpec:
 
 
 def tokenize_records(records: list[dict], tokenizer, recipe) -> tuple[list[dict], int]:
-    """(input_ids, loss_mask) per conversation; drops those with fewer than data.min_loss_tokens supervised tokens."""
+    """(input_ids, loss_mask) per conversation; drops those with fewer than data.min_loss_tokens supervised tokens.
+    A truncated record's last answer (cut at regen.max_new_tokens) is not supervised as ended."""
     kept, dropped = [], 0
     for record in records:
         input_ids, loss_mask = tokenize_conversation(
             tokenizer, record["conversations"], enable_thinking=recipe.regen.enable_thinking,
-            thinking=recipe.data.thinking, max_length=recipe.data.max_length)
+            thinking=recipe.data.thinking, max_length=recipe.data.max_length,
+            last_answer_cut=record.get("truncated", False))
         if sum(loss_mask) < recipe.data.min_loss_tokens:
             dropped += 1
             continue

@@ -57,6 +57,7 @@ __all__ = [
 Message = dict[str, str]
 
 _THINK_BLOCK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+_PROBE = "DRAFTSMITH-ANSWER-PROBE"  # a content no template rewrites, to see what follows an answer
 
 
 def build_messages(turns: Sequence[str], answers: Sequence[str], system_prompt: str | None) -> list[Message]:
@@ -144,12 +145,21 @@ def render_prompt_ids(tokenizer: Any, messages: Sequence[Message], enable_thinki
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _end_of_turn(tokenizer: Any, messages: Sequence[Message], j: int, enable_thinking: bool) -> str:
+    """What the template writes after the content of assistant message ``j`` (ChatML: ``"<|im_end|>\\n"``)."""
+    probe = [*messages[:j], {**messages[j], "content": _PROBE}]
+    text = _render(tokenizer, probe, add_generation_prompt=False, enable_thinking=enable_thinking)
+    return text[text.rfind(_PROBE) + len(_PROBE):]
+
+
 def _assistant_spans(
-    tokenizer: Any, messages: Sequence[Message], full: str, enable_thinking: bool
+    tokenizer: Any, messages: Sequence[Message], full: str, enable_thinking: bool, last_answer_cut: bool
 ) -> list[tuple[int, int]]:
-    """Character spans in ``full`` of the text generated for each assistant turn."""
+    """Character spans in ``full`` of the text generated for each assistant turn (``last_answer_cut``: the last one
+    without the end-of-turn text the template adds after its content)."""
     spans: list[tuple[int, int]] = []
     cursor = 0
+    last = max((j for j, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
     for j, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
@@ -178,7 +188,12 @@ def _assistant_spans(
         if pos < 0:
             # The template rewrote this turn once later turns exist (see module docstring).
             continue
-        spans.append((pos, pos + len(generated)))
+        end = pos + len(generated)
+        if last_answer_cut and j == last:
+            tail = _end_of_turn(tokenizer, messages, j, enable_thinking)
+            # A template that wrote this turn some other way: none of it is supervised rather than its end.
+            end -= len(tail) if generated.endswith(tail) else len(generated)
+        spans.append((pos, end))
         cursor = pos + len(generated)
     return spans
 
@@ -189,6 +204,7 @@ def tokenize_conversation(
     enable_thinking: bool,
     thinking: Literal["drop", "keep"] = "drop",
     max_length: int | None = None,
+    last_answer_cut: bool = False,
 ) -> tuple[list[int], list[int]]:
     """Render ``messages`` once and return ``(input_ids, loss_mask)``.
 
@@ -205,6 +221,10 @@ def tokenize_conversation(
     Raises ``ValueError`` when the tokenizer has no chat template or when the template
     renders an answered turn as something other than its generation prompt followed by
     the answer. ``max_length`` truncates both lists.
+
+    ``last_answer_cut``: the last answer stopped at the token limit, not where the model ended its turn, so the
+    end-of-turn text the template puts after it gets ``loss_mask=0``: supervising it would teach the drafter to end
+    answers there.
     """
     _require_chat_template(tokenizer)
     if thinking not in ("drop", "keep"):
@@ -228,7 +248,7 @@ def tokenize_conversation(
     input_ids = list(encoding["input_ids"])
     offsets = encoding["offset_mapping"]
 
-    spans = _assistant_spans(tokenizer, msgs, full, enable_thinking)
+    spans = _assistant_spans(tokenizer, msgs, full, enable_thinking, last_answer_cut)
     loss_mask = [0] * len(input_ids)
     k = 0
     for i, (tok_start, _) in enumerate(offsets):

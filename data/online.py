@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from data.capture import (TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, capture_rows, loss_token_counts, regen_digest,
+                          training_rows)
 from modeling.target import weights_fingerprint
-from data.capture import TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, capture_rows, loss_token_counts, regen_digest, training_rows
 
 
 class OnlineRecords:

@@ -10,16 +10,26 @@ fixed-data training), for `loss.ce_labels: target`, where the target's labels co
 Resume: prompts are cut into fixed chunks of `regen.batch_size`; chunk k goes to rank k % world and is written to
 `chunks/chunk-k.json` atomically once all its conversations are done, with a seed derived from (recipe seed, k).
 A killed run therefore restarts with only the missing chunks and ends with exactly the records of an uninterrupted
-run, none twice. Rank 0 then merges the chunks into `records.jsonl` (+ `errors.jsonl` with the reason of every
+run, none twice. The folder pins a digest of the chosen prompts, so a prompt file edited between two runs is refused
+rather than mixed. Rank 0 then merges the chunks into `records.jsonl` (+ `errors.jsonl` with the reason of every
 failed request) and writes `DONE.json`.
 
-Record: {"id", "source", "conversations": [{"role", "content"}...], "response_ids": [[token ids of answer 1], ...]}.
+Nothing is lost silently. A request the server failed (HTTP 429 or 5xx after `regen.request_attempts` tries, no
+connection, a timeout) is not the prompt's fault: its chunk goes to `chunks/failed-k.json` instead, is done again by
+the next run, and the stage stops without DONE.json while any remain. Only the prompt's own failures (too long, no
+source answer, HTTP 400) are final, in errors.jsonl; a stage that regenerated nothing at all is an error too.
+
+Record: {"id", "source", "conversations": [{"role", "content"}...], "response_ids": [[token ids of answer 1], ...],
+"truncated": the last answer was cut at regen.max_new_tokens (it ends the conversation, and its end-of-turn marker,
+which the target never wrote there, is not supervised; a record without the key is not truncated)}.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +53,10 @@ class Answer:
     error: str | None = None
     #: the prompt no longer fits data.max_length: a later turn ends the conversation there, a first turn fails it.
     too_long: bool = False
+    #: the server failed, not the prompt (HTTP 429/5xx, no connection, a timeout): the next run asks again.
+    retryable: bool = False
+    #: the answer reached the token limit without ending its turn.
+    truncated: bool = False
 
 
 # --- backends -----------------------------------------------------------------------------------------------------
@@ -92,21 +106,26 @@ class HFBackend:
             eos_token_id=self.tokenizer.eos_token_id,
         )
         answers = []
+        eos = self.tokenizer.eos_token_id
         for row in out[:, width:].tolist():
-            if self.tokenizer.eos_token_id in row:
-                row = row[: row.index(self.tokenizer.eos_token_id) + 1]
-            else:
-                row = [t for t in row if t != pad]
+            truncated = eos not in row  # generation stops at eos: a row without one ran into the token limit
+            row = [t for t in row if t != pad] if truncated else row[: row.index(eos) + 1]
             text = self.tokenizer.decode(row, skip_special_tokens=True)
-            answers.append(Answer(text=text, token_ids=row))
+            answers.append(Answer(text=text, token_ids=row, truncated=truncated))
         return answers
+
+
+#: the longest wait a server's Retry-After header gets.
+MAX_RETRY_AFTER_S = 30.0
+#: HTTP statuses that blame the request itself (an over-long prompt, a bad body): final, like data.max_length's refusal.
+_REQUEST_ERRORS = frozenset({400, 413, 422})
 
 
 class OpenAIBackend:
     """POST /v1/chat/completions to one or more servers; request i goes to server i % len(urls)."""
 
-    def __init__(self, tokenizer, regen, model_name: str, retries: int = 3):
-        self.tokenizer, self.regen, self.model_name, self.retries = tokenizer, regen, model_name, retries
+    def __init__(self, tokenizer, regen, model_name: str):
+        self.tokenizer, self.regen, self.model_name = tokenizer, regen, model_name
         self.urls = [u.rstrip("/") for u in regen.server_urls]
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=regen.max_concurrency)
 
@@ -127,22 +146,41 @@ class OpenAIBackend:
             "seed": seed,
             "chat_template_kwargs": {"enable_thinking": regen.enable_thinking},
         }
-        error = "no attempt made"
-        for attempt in range(self.retries):
+        error, wait = "no attempt made", 0.0
+        for attempt in range(regen.request_attempts):
+            if attempt:
+                time.sleep(wait)
+            wait = min(2**attempt, 10) * 0.5
             try:
                 response = requests.post(f"{url}/v1/chat/completions", json=payload, timeout=regen.request_timeout_s)
-                if response.status_code != 200:
-                    error = f"HTTP {response.status_code} from {url}: {response.text[:300]}"
-                    if response.status_code < 500:
-                        break  # the request itself is wrong: retrying will not help
-                else:
+            except requests.RequestException as exc:  # refused, reset, timed out: the server's state, not the prompt's
+                error = f"{type(exc).__name__} from {url}: {exc}"
+                continue
+            if response.status_code == 200:
+                try:
                     choice = response.json()["choices"][0]
                     text = choice["message"]["content"] or ""
-                    return Answer(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))
-            except (requests.RequestException, KeyError, ValueError) as exc:
-                error = f"{type(exc).__name__} from {url}: {exc}"
-            time.sleep(min(2**attempt, 10) * 0.5)
-        return Answer(error=error)
+                except (KeyError, IndexError, TypeError, ValueError) as exc:
+                    error = f"malformed response from {url}: {type(exc).__name__}: {exc}"
+                    continue
+                return Answer(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False),
+                              truncated=choice.get("finish_reason") == "length")
+            error = f"HTTP {response.status_code} from {url}: {response.text[:300]}"
+            if response.status_code != 429 and response.status_code < 500:
+                # Asking again at once will not help; a 401/404 (the server's setup) may once the server is fixed.
+                return Answer(error=error, retryable=response.status_code not in _REQUEST_ERRORS)
+            wait = _retry_after_s(response, wait)
+        return Answer(error=f"{error} ({regen.request_attempts} attempts)", retryable=True)
+
+
+def _retry_after_s(response, default: float) -> float:
+    """The wait a 429/503's Retry-After header asks for in seconds, up to MAX_RETRY_AFTER_S; `default` without one
+    (or with an HTTP date)."""
+    try:
+        seconds = float(response.headers["Retry-After"])
+    except (KeyError, ValueError):
+        return default
+    return default if math.isnan(seconds) else min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
 class SourceBackend:
@@ -164,26 +202,46 @@ class SourceBackend:
 # --- the stage ----------------------------------------------------------------------------------------------------
 
 
-def regen_settings(recipe) -> dict:
-    """The recipe keys a regeneration folder depends on."""
+PROMPTS_KEY = "prompts_sha256"
+_PROMPTS_CHANGED = (
+    f"The prompts changed: {PROMPTS_KEY} is a digest of the chosen prompts (ids, turns, system, source answers), and "
+    "a prompt file of data.sources was edited since this folder was started (None: the folder predates the digest); "
+    "resuming would mix answers to the old prompts with answers to the new ones. Restore the file to resume.")
+
+
+def regen_settings(recipe, prompts_sha256: str | None) -> dict:
+    """The recipe keys a regeneration folder depends on, and the digest of its prompts (`prompts_digest`)."""
     from dataclasses import asdict
 
     # allow_fewer only decides whether a short source is an error: the prompts (and runs made before it) are the same
     data = {k: v for k, v in asdict(recipe.data).items() if k != "allow_fewer"}
+    # how requests reach the servers changes no answer (and the servers' URLs are fixed by rerunning)
+    transport = ("server_urls", "max_concurrency", "request_timeout_s", "request_attempts")
     return {"target": recipe.target.name_or_path, "seed": recipe.seed, "data": data,
-            "regen": {k: v for k, v in asdict(recipe.regen).items()
-                      if k not in ("server_urls", "max_concurrency", "request_timeout_s")}}
+            "regen": {k: v for k, v in asdict(recipe.regen).items() if k not in transport},
+            PROMPTS_KEY: prompts_sha256}
+
+
+def prompts_digest(prompts: list[Prompt]) -> str:
+    """sha256 of the chosen prompts in order: what the chunks of a regeneration folder answer."""
+    rows = [[p.id, p.turns, p.system, p.answers] for p in prompts]
+    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode()).hexdigest()
 
 
 def chunk_path(out_dir: Path, chunk: int) -> Path:
     return out_dir / "chunks" / f"chunk-{chunk:05d}.json"
 
 
+def failed_chunk_path(out_dir: Path, chunk: int) -> Path:
+    """Where a chunk whose server failed keeps its errors until a later run does it again."""
+    return out_dir / "chunks" / f"failed-{chunk:05d}.json"
+
+
 def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) -> tuple[list, list, int]:
     """Replay every user turn of `prompts` in order; returns (records, errors, generated tokens)."""
     answers: dict[str, list[Answer]] = {p.id: [] for p in prompts}
-    failed: dict[str, str] = {}
-    ended: set[str] = set()  # conversations cut short by data.max_length after at least one answer
+    failed: dict[str, Answer] = {}
+    ended: set[str] = set()  # conversations cut short after at least one answer (data.max_length, a truncated answer)
     max_turns = recipe.data.max_turns
     num_tokens = 0
     for turn in range(max_turns):
@@ -200,14 +258,17 @@ def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) ->
             if answer.too_long and turn > 0:
                 ended.add(prompt.id)
             elif answer.error is not None:
-                failed[prompt.id] = f"turn {turn}: {answer.error}"
+                failed[prompt.id] = Answer(error=f"turn {turn}: {answer.error}", retryable=answer.retryable)
             else:
                 answers[prompt.id].append(answer)
                 num_tokens += len(answer.token_ids)
+                if answer.truncated:  # the next user turn would follow an answer the target never finished
+                    ended.add(prompt.id)
     records, errors = [], []
     for p in prompts:
         if p.id in failed:
-            errors.append({"id": p.id, "source": p.source, "reason": failed[p.id]})
+            errors.append({"id": p.id, "source": p.source, "reason": failed[p.id].error}
+                          | ({"retryable": True} if failed[p.id].retryable else {}))
             continue
         turns = list(p.turns[: len(answers[p.id])])
         records.append({
@@ -215,6 +276,7 @@ def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) ->
             "source": p.source,
             "conversations": build_messages(turns, [a.text for a in answers[p.id]], _system(p, recipe)),
             "response_ids": [a.token_ids for a in answers[p.id]],
+            "truncated": answers[p.id][-1].truncated,
         })
     return records, errors, num_tokens
 
@@ -232,12 +294,18 @@ def _system(prompt: Prompt, recipe) -> str | None:
 def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> dict:
     """The `regenerate` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
     out_dir = Path(out_dir)
-    settings = regen_settings(recipe)
-    prompts = None
-    if not stage.is_done(out_dir):  # before the folder is pinned: a recipe its sources cannot fill is refused here
+    if stage.is_done(out_dir):  # skipped without reading its prompts: the digest it pinned stands for them
+        prompts, digest = None, stage.pinned(out_dir).get(PROMPTS_KEY)
+    else:  # before the folder is pinned: a recipe its sources cannot fill is refused here
         prompts = load_prompts(recipe.data.sources, recipe.data.num_prompts, recipe.data.holdout_fraction,
                                recipe.seed, allow_fewer=recipe.data.allow_fewer)
-    done = stage.start(out_dir, settings, "regenerate", dist.is_main)
+        if not prompts:
+            raise ValueError(f"no prompt was loaded from data.sources {_source_names(recipe)}: they hold no row with "
+                             f"a non-empty user turn outside the held-out split (data.holdout_fraction="
+                             f"{recipe.data.holdout_fraction}). Point data.sources at files with prompts")
+        digest = prompts_digest(prompts)
+    done = stage.start(out_dir, regen_settings(recipe, digest), "regenerate", dist.is_main,
+                       notes={PROMPTS_KEY: _PROMPTS_CHANGED})
     if done is not None:
         return done
 
@@ -262,8 +330,12 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
                position=dist.rank, disable=not todo)
     for k in todo:
         records, errors, tokens = regenerate_chunk(backend, chunks[k], recipe, chunk_seed=recipe.seed * 100_003 + k)
-        atomic_write_json(chunk_path(out_dir, k), {"chunk": k, "records": records, "errors": errors,
-                                                         "generated_tokens": tokens})
+        if any(e.get("retryable") for e in errors):  # not done: the next run does the whole chunk again
+            atomic_write_json(failed_chunk_path(out_dir, k), {"chunk": k, "errors": errors})
+        else:
+            atomic_write_json(chunk_path(out_dir, k), {"chunk": k, "records": records, "errors": errors,
+                                                             "generated_tokens": tokens})
+            failed_chunk_path(out_dir, k).unlink(missing_ok=True)
         num_tokens += tokens
         bar.update(len(chunks[k]))
         bar.set_postfix(tok_s=f"{num_tokens / (time.perf_counter() - start):.1f}")
@@ -274,15 +346,37 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
     total_tokens, = dist.sum(num_tokens)
     elapsed = dist.max(elapsed)
     dist.barrier()
-    stats = {}
+    _check_no_server_failures(out_dir, len(chunks))  # every rank reads the same files: all of them stop, or none
     if dist.is_main:
         stats = _merge(out_dir, len(chunks))
-        stats.update(stage.throughput(total_tokens, elapsed))
-        stage.mark_done(out_dir, stats)
-        print(f"[regenerate] {stats['records']} conversations, {stats['errors']} failed, "
-              f"{stats['generated_tokens']} answer tokens; {stage.throughput_line(stats)}", flush=True)
+        if stats["records"]:  # nothing regenerated is not done: every rank raises below
+            stats.update(stage.throughput(total_tokens, elapsed))
+            stage.mark_done(out_dir, stats)
+            print(f"[regenerate] {stats['records']} conversations, {stats['errors']} failed, "
+                  f"{stats['generated_tokens']} answer tokens; {stage.throughput_line(stats)}", flush=True)
     dist.wait()  # rank 0 merged every chunk meanwhile
+    if not stage.is_done(out_dir):
+        first = json.loads((out_dir / "errors.jsonl").read_text().partition("\n")[0])
+        raise ValueError(f"no conversation was regenerated from data.sources {_source_names(recipe)}: all "
+                         f"{len(prompts)} prompts failed (the first, {first['id']}: {first['reason']}); every reason "
+                         f"is in {out_dir / 'errors.jsonl'}. Fix the sources or the recipe, and run into a new --out")
     return stage.read_done(out_dir)
+
+
+def _source_names(recipe) -> list[str]:
+    return [s.name if s.path is None else f"{s.name} ({s.path})" for s in recipe.data.sources]
+
+
+def _check_no_server_failures(out_dir: Path, num_chunks: int) -> None:
+    """Raise while a chunk failed on the server: marking the stage done would drop those conversations for good."""
+    failed = [failed_chunk_path(out_dir, k) for k in range(num_chunks)
+              if not chunk_path(out_dir, k).is_file() and failed_chunk_path(out_dir, k).is_file()]
+    errors = [e for path in failed for e in json.loads(path.read_text())["errors"] if e.get("retryable")]
+    if errors:
+        raise RuntimeError(
+            f"regeneration is not complete: {len(errors)} conversations failed on the server, in {len(failed)} of "
+            f"{num_chunks} chunks (the first: {errors[0]['id']}, {errors[0]['reason']}). Fix the server / "
+            f"regen.server_urls and rerun: finished chunks are kept, the failed ones are done again")
 
 
 def _done_chunks(out_dir: Path) -> list[Path]:

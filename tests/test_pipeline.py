@@ -3,6 +3,8 @@ two ranks, refusal of a mismatched or corrupted cache, and the real
 SmolLM2 target."""
 
 import json
+from collections import Counter
+
 import pytest
 import torch
 
@@ -40,10 +42,27 @@ def test_qwen3_recipes_run_both_stages_on_a_tiny_qwen3(name, tiny_qwen3, prompt_
     assert tokenizer.decode(sample["input_ids"][:1]) == "<|im_start|>"
 
 
-def test_multi_turn_replay_uses_own_answers(tiny_qwen3, prompt_file, tmp_path):
+def test_multi_turn_replay_uses_own_answers(tiny_qwen3, prompt_file, tmp_path, monkeypatch):
+    import pipeline
+
+    args = ["--recipe", "dspark_qwen3_8b", "--stages", "regenerate"] + tiny_overrides(
+        tiny_qwen3, prompt_file, **{"regen.temperature": 0})
+    # The random tiny Qwen3 never says its eos, and an answer cut at regen.max_new_tokens ends its conversation: no
+    # second turn is asked after an answer that did not end.
+    assert main(args + ["--out", str(tmp_path / "cut")]) == 0
+    cut = [json.loads(line) for line in (tmp_path / "cut" / "regen" / "records.jsonl").read_text().splitlines()]
+    assert all(r["truncated"] and len(r["response_ids"]) == 1 for r in cut)
+    # With the token it says first (greedy) as its eos, its first answers end, and the second turns are asked.
+    said_first = Counter(r["response_ids"][0][0] for r in cut).most_common(1)[0][0]
+
+    def ending_tokenizer(name):
+        tokenizer = load_tokenizer(name)
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(said_first)
+        return tokenizer
+
+    monkeypatch.setattr(pipeline, "load_tokenizer", ending_tokenizer)
     out = tmp_path / "run"
-    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
-                + tiny_overrides(tiny_qwen3, prompt_file)) == 0
+    assert main(args + ["--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "regen" / "records.jsonl").read_text().splitlines()]
     two_turn = [r for r in records if sum(m["role"] == "user" for m in r["conversations"]) == 2]
     assert two_turn, "the fixture has two-turn prompts"

@@ -116,6 +116,45 @@ def test_sharegpt_path_truncated_file(tmp_path):
     assert [p.id for p in load_source("sharegpt", path=str(path), limit=2)] == ["sharegpt:a", "sharegpt:c"]
 
 
+def test_sharegpt_file_cut_at_its_end_keeps_what_came_before_with_a_warning(tmp_path, caplog, drill):
+    drill("corruption", "ShareGPT file cut at its end")
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i} " + "x" * 40}]}
+             for i in range(5)]
+    text = json.dumps(convs, indent=2)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: text.index("question 4") + 20])  # a truncated download: the last conversation runs to EOF
+    with caplog.at_level("WARNING", logger="data.sources"):
+        rows = load_source("sharegpt", path=str(path))
+    assert [p.id for p in rows] == [f"sharegpt:c{i}" for i in range(4)]
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert str(path) in warning.getMessage() and "kept the 4 complete conversations" in warning.getMessage()
+
+
+@pytest.mark.parametrize("corrupt,element,where", [
+    (lambda text: text.replace('"question 2"', '"question 2" "and more"'), 2, '"and more"'),
+    (lambda text: text.replace('"question 1"', 'question 1"'), 1, 'question 1"'),
+    (lambda text: text + "\n[]", 5, "[]"),  # a second array after the first
+], ids=["missing comma", "unquoted string", "data after the array"])
+def test_sharegpt_syntax_error_before_the_end_is_refused_with_its_place(tmp_path, corrupt, element, where, drill):
+    """Every conversation after a syntax error would be lost: refused, naming the file, the element, its line and
+    column, and the fix."""
+    drill("corruption", f"ShareGPT file with a syntax error at {where}")
+    convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(5)]
+    text = corrupt(json.dumps(convs, indent=2))
+    path = tmp_path / "broken.json"
+    path.write_text(text)
+    before = text[: text.index(where)]
+    line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
+    for chunk_chars in (16, 1 << 20):  # the error inside one chunk or across many
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(P, "_CHUNK_CHARS", chunk_chars)
+            with pytest.raises(ValueError) as err:
+                load_source("sharegpt", path=str(path))
+        message = str(err.value)
+        assert str(path) in message and f"element {element} (0-based) at line {line}, column {column}:" in message
+        assert "repair the file" in message
+
+
 def test_sharegpt_reading_stops_at_limit(tmp_path, monkeypatch):
     convs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"q{i} " + "z" * 300},
                                                {"from": "gpt", "value": "a" * 300}]} for i in range(3000)]

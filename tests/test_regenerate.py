@@ -1,22 +1,34 @@
-"""The OpenAI-compatible regeneration backend against real HTTP servers on loopback (two = data parallel), and the
-handling of failed requests and over-long prompts."""
+"""The OpenAI-compatible regeneration backend against real HTTP servers on loopback (two = data parallel), the
+handling of failed requests (retried, redone by the next run, never marked done), over-long prompts and answers cut
+at the token limit, and the stage's refusals: nothing regenerated, a prompt file edited between two runs."""
 
 import json
+import shutil
 import threading
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from data import regenerate
 from data.sources import Prompt
-from data.regenerate import Answer, OpenAIBackend, regenerate_chunk
+from data.regenerate import Answer, OpenAIBackend, regenerate_chunk, run_regenerate
+from core.dist import Dist
 from core.recipe import load_recipe
+from core.stage import StageMismatchError
+
+DEAD_URL = "http://127.0.0.1:9"  # the discard port: nothing listens, the connection is refused at once
 
 
 class _ChatServer:
-    """A minimal /v1/chat/completions server: answers 'echo <n>: <last user text>', HTTP 500 on 'FAIL'."""
+    """A minimal /v1/chat/completions server: answers 'echo <n>: <last user text>' (finish_reason 'length' when that
+    text holds 'LONG'), HTTP 500 on 'FAIL'. `plan`: the statuses each distinct request gets before its answer, a 429
+    with `Retry-After: retry_after`; `down_on`: HTTP 503 for every request whose last text holds it."""
 
-    def __init__(self, name: str):
+    def __init__(self, plan=(), retry_after="1", down_on=None):
         self.requests = []
+        self.attempts = Counter()
+        lock = threading.Lock()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -24,16 +36,28 @@ class _ChatServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append((self.path, body))
                 last = body["messages"][-1]["content"]
-                if "FAIL" in last:
-                    self.send_response(500)
-                    self.end_headers()
-                    self.wfile.write(b"internal error: model exploded")
-                    return
-                turn = sum(m["role"] == "user" for m in body["messages"])
-                reply = {"choices": [{"message": {"role": "assistant", "content": f"echo {turn}: {last}"}}]}
-                data = json.dumps(reply).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+                with lock:
+                    attempt = outer.attempts[json.dumps(body["messages"])]
+                    outer.attempts[json.dumps(body["messages"])] += 1
+                if attempt < len(plan):
+                    status = plan[attempt]
+                    self.reply(status, b"slow down" if status == 429 else b"overloaded",
+                               {"Retry-After": retry_after} if status == 429 else {})
+                elif "FAIL" in last:
+                    self.reply(500, b"internal error: model exploded")
+                elif down_on and down_on in last:
+                    self.reply(503, b"service unavailable")
+                else:
+                    turn = sum(m["role"] == "user" for m in body["messages"])
+                    finish = "length" if "LONG" in last else "stop"
+                    reply = {"choices": [{"message": {"role": "assistant", "content": f"echo {turn}: {last}"},
+                                          "finish_reason": finish}]}
+                    self.reply(200, json.dumps(reply).encode(), {"Content-Type": "application/json"})
+
+            def reply(self, status, data, headers=None):
+                self.send_response(status)
+                for key, value in (headers or {}).items():
+                    self.send_header(key, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
@@ -53,7 +77,7 @@ class _ChatServer:
 
 @pytest.fixture
 def servers():
-    pair = [_ChatServer("a"), _ChatServer("b")]
+    pair = [_ChatServer(), _ChatServer()]
     yield pair
     for server in pair:
         server.close()
@@ -62,20 +86,25 @@ def servers():
 def test_openai_backend_replays_turns_across_two_servers(servers, qwen3_tokenizer):
     urls = [s.url for s in servers]
     recipe = load_recipe("dspark_qwen3_8b", ["regen.backend=openai", f"regen.server_urls={json.dumps(urls)}",
-                                             "regen.max_new_tokens=32"])
-    backend = OpenAIBackend(qwen3_tokenizer, recipe.regen, "Qwen/Qwen3-8B", retries=2)
+                                             "regen.max_new_tokens=32", "regen.request_attempts=2"])
+    backend = OpenAIBackend(qwen3_tokenizer, recipe.regen, "Qwen/Qwen3-8B")
     prompts = [Prompt(id=f"p{i}", turns=(f"hello {i}", f"again {i}"), source="t") for i in range(3)]
     prompts.append(Prompt(id="bad", turns=("please FAIL",), source="t"))
+    prompts.append(Prompt(id="cut", turns=("a LONG one", "never asked"), source="t"))
     records, errors, tokens = regenerate_chunk(backend, prompts, recipe, chunk_seed=7)
 
-    assert [r["id"] for r in records] == ["p0", "p1", "p2"]
+    assert [r["id"] for r in records] == ["p0", "p1", "p2", "cut"]
+    # finish_reason 'length': the answer was cut, which ends the conversation
+    assert [m["content"] for m in records[3]["conversations"]] == ["a LONG one", "echo 1: a LONG one"]
+    assert [r["truncated"] for r in records] == [False, False, False, True]
     conv = records[1]["conversations"]
     assert [m["content"] for m in conv] == ["hello 1", "echo 1: hello 1", "again 1", "echo 2: again 1"]
     assert records[1]["response_ids"][0] == qwen3_tokenizer.encode("echo 1: hello 1", add_special_tokens=False)
     assert tokens == sum(len(ids) for r in records for ids in r["response_ids"])
-    # the failure is reported with the server's reason, after the retries
-    assert errors == [{"id": "bad", "source": "t", "reason": errors[0]["reason"]}]
+    # the failure is reported with the server's reason, after the retries, as the server's (asked again next run)
+    assert errors == [{"id": "bad", "source": "t", "reason": errors[0]["reason"], "retryable": True}]
     assert "HTTP 500" in errors[0]["reason"] and "model exploded" in errors[0]["reason"]
+    assert sum("FAIL" in b["messages"][-1]["content"] for s in servers for _, b in s.requests) == 2
     # data parallel: both servers got work; the request carries the recipe's sampling settings
     assert all(s.requests for s in servers)
     path, body = servers[0].requests[0]
@@ -88,11 +117,40 @@ def test_openai_backend_replays_turns_across_two_servers(servers, qwen3_tokenize
 
 
 def test_unreachable_server_is_an_error_record(qwen3_tokenizer):
-    recipe = load_recipe("dspark_qwen3_8b", ["regen.backend=openai", "regen.server_urls=['http://127.0.0.1:9']",
-                                             "regen.request_timeout_s=2"])
-    backend = OpenAIBackend(qwen3_tokenizer, recipe.regen, "m", retries=1)
+    recipe = load_recipe("dspark_qwen3_8b", ["regen.backend=openai", f"regen.server_urls=['{DEAD_URL}']",
+                                             "regen.request_timeout_s=2", "regen.request_attempts=1"])
+    backend = OpenAIBackend(qwen3_tokenizer, recipe.regen, "m")
     records, errors, _ = regenerate_chunk(backend, [Prompt(id="x", turns=("hi",))], recipe, chunk_seed=0)
     assert records == [] and errors[0]["id"] == "x" and "ConnectionError" in errors[0]["reason"]
+    assert errors[0]["retryable"]
+
+
+def _ask(server, tokenizer, text="hi"):
+    recipe = load_recipe("dspark_qwen3_8b", ["regen.backend=openai", f"regen.server_urls=['{server.url}']"])
+    return OpenAIBackend(tokenizer, recipe.regen, "m").generate([[{"role": "user", "content": text}]], seed=0)[0]
+
+
+def test_openai_backend_retries_server_errors_and_rate_limits_honouring_retry_after(qwen3_tokenizer, monkeypatch,
+                                                                                    drill):
+    """HTTP 5xx and 429 are asked again (3 attempts, the recipe's default), after the server's Retry-After when it
+    sends one (capped at 30 s); any other 4xx is the request's own fault and is not."""
+    drill("server", "regeneration server: 5xx, then 429 with Retry-After")
+    sleeps = []
+    monkeypatch.setattr("data.regenerate.time.sleep", sleeps.append)
+    flaky = _ChatServer(plan=(500, 429), retry_after="7")
+    capped = _ChatServer(plan=(429,), retry_after="3600")
+    refused = _ChatServer(plan=(400, 400, 400))
+    try:
+        answer = _ask(flaky, qwen3_tokenizer)
+        assert (answer.text, answer.error, len(flaky.requests)) == ("echo 1: hi", None, 3)
+        assert sleeps == [0.5, 7.0]  # the exponential backoff after the 500, the server's wait after the 429
+        sleeps.clear()
+        assert _ask(capped, qwen3_tokenizer).error is None and sleeps == [30.0]
+        answer = _ask(refused, qwen3_tokenizer)
+        assert len(refused.requests) == 1 and "HTTP 400" in answer.error and not answer.retryable
+    finally:
+        for server in (flaky, capped, refused):
+            server.close()
 
 
 class _LengthLimited:
@@ -170,3 +228,200 @@ def test_recipe_asking_for_more_prompts_than_its_sources_hold_is_refused_before_
     with pytest.raises(ValueError, match=r"asked for 8 prompts, but .*five\.jsonl' holds 5 .*data\.allow_fewer"):
         run_regenerate(recipe, out, dist, no_target, tokenizer=None)
     assert not (out.exists() and any(out.iterdir())), "the refused stage pinned or wrote something"
+
+
+class _Truncating:
+    """A backend whose answer to a text starting with 'cut' stops at the token limit."""
+
+    def generate(self, conversations, seed):
+        return [Answer(text="partial", token_ids=[1], truncated=messages[-1]["content"].startswith("cut"))
+                for messages in conversations]
+
+
+def test_a_truncated_answer_ends_the_conversation_and_marks_the_record():
+    recipe = load_recipe("dspark_smollm2_135m")
+    prompts = [Prompt(id="first", turns=("cut at once", "never asked")), Prompt(id="later", turns=("ok", "cut now")),
+               Prompt(id="whole", turns=("ok", "fine"))]
+    records, errors, _ = regenerate_chunk(_Truncating(), prompts, recipe, chunk_seed=0)
+    users = {r["id"]: [m["content"] for m in r["conversations"] if m["role"] == "user"] for r in records}
+    assert users == {"first": ["cut at once"], "later": ["ok", "cut now"], "whole": ["ok", "fine"]}
+    assert {r["id"]: r["truncated"] for r in records} == {"first": True, "later": True, "whole": False}
+    assert errors == []
+
+
+class _WithEos:
+    """A tokenizer whose eos is another token."""
+
+    def __init__(self, tokenizer, eos_token_id):
+        self.tokenizer, self.eos_token_id = tokenizer, eos_token_id
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_hf_backend_marks_an_answer_that_reached_max_new_tokens_as_truncated(tiny_qwen3, qwen3_tokenizer):
+    from data.regenerate import HFBackend
+    from modeling.target import load_target
+
+    recipe = load_recipe("dspark_qwen3_8b", ["regen.temperature=0", "regen.max_new_tokens=4"])
+    model = load_target(str(tiny_qwen3))  # the real Qwen3 tokenizer's
+    messages = [{"role": "user", "content": "Count to ten."}]
+    cut = HFBackend(model, qwen3_tokenizer, recipe.regen, max_length=128).generate([messages], seed=0)[0]
+    assert cut.truncated and len(cut.token_ids) == 4  # the random tiny model never says its eos in 4 tokens
+    # the same greedy answer, with its second token as eos: it ends there, within the limit
+    ending = _WithEos(qwen3_tokenizer, cut.token_ids[1])
+    ended = HFBackend(model, ending, recipe.regen, max_length=128).generate([messages], seed=0)[0]
+    assert not ended.truncated
+    assert ended.token_ids == cut.token_ids[: cut.token_ids.index(cut.token_ids[1]) + 1]
+
+
+def test_a_truncated_answer_is_not_supervised_as_ended(qwen3_tokenizer):
+    """The end-of-turn marker the template puts after a cut answer was never generated there: its loss mask is 0, and
+    the rest of the mask is the normal one (an old record, without the key, reads as not truncated)."""
+    from data.capture import tokenize_records
+
+    recipe = load_recipe("dspark_qwen3_8b", ["data.min_loss_tokens=1"])
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                    {"role": "user", "content": "Tell me more"},
+                    {"role": "assistant", "content": "An answer that ran into the token"}]
+    (whole, old, cut), _ = tokenize_records([{"id": "whole", "conversations": conversation, "truncated": False},
+                                             {"id": "old", "conversations": conversation},
+                                             {"id": "cut", "conversations": conversation, "truncated": True}],
+                                            qwen3_tokenizer, recipe)
+    assert whole == {**old, "id": "whole"} and cut["input_ids"] == whole["input_ids"]
+    ids = whole["input_ids"]
+    answer_end = next(i for i in range(len(ids), 0, -1) if qwen3_tokenizer.decode(ids[:i]).endswith("the token"))
+    assert qwen3_tokenizer.decode(ids[answer_end:]) == "<|im_end|>\n"
+    assert whole["loss_mask"][answer_end:] == [1, 1]  # an ended answer: its end-of-turn marker is supervised
+    assert cut["loss_mask"] == whole["loss_mask"][:answer_end] + [0, 0]
+    assert sum(cut["loss_mask"][:answer_end]) > 8  # both answers are still supervised
+
+
+# --- the stage ----------------------------------------------------------------------------------------------------
+
+
+def _openai_recipe(urls, prompt_file, *sets):
+    return load_recipe("dspark_qwen3_8b", ["regen.backend=openai", f"regen.server_urls={json.dumps(urls)}",
+                                           f"data.sources=[{{name: '{prompt_file}'}}]", "data.num_prompts=8",
+                                           "regen.batch_size=3", *sets])
+
+
+def _run(recipe, out, tokenizer):
+    def no_target():
+        raise AssertionError("no backend here needs the target model")
+
+    return run_regenerate(recipe, out, Dist(), no_target, tokenizer)
+
+
+@pytest.fixture
+def healthy_records(prompt_file, qwen3_tokenizer, tmp_path):
+    """records.jsonl of the stage against a healthy server, and that server (to count its requests)."""
+    server = _ChatServer()
+    _run(_openai_recipe([server.url], prompt_file), tmp_path / "healthy", qwen3_tokenizer)
+    yield (tmp_path / "healthy" / "records.jsonl").read_bytes(), server
+    server.close()
+
+
+def test_stage_through_failing_then_rate_limiting_server_gives_the_healthy_servers_records(
+        healthy_records, prompt_file, qwen3_tokenizer, tmp_path, monkeypatch, drill):
+    drill("server", "regeneration server failing, then rate-limiting, then recovering")
+    sleeps = []
+    monkeypatch.setattr("data.regenerate.time.sleep", sleeps.append)
+    flaky = _ChatServer(plan=(500, 429), retry_after="2")  # every request: 500, then 429, then its answer
+    try:
+        done = _run(_openai_recipe([flaky.url], prompt_file), tmp_path / "flaky", qwen3_tokenizer)
+    finally:
+        flaky.close()
+    expected, healthy = healthy_records
+    assert (tmp_path / "flaky" / "records.jsonl").read_bytes() == expected
+    assert done["records"] == 8 and done["errors"] == 0
+    assert len(flaky.requests) == 3 * len(healthy.requests) and sleeps.count(2.0) == len(healthy.requests)
+
+
+def test_server_failures_are_never_marked_done_and_a_rerun_with_a_working_url_completes(
+        healthy_records, prompt_file, qwen3_tokenizer, tmp_path, monkeypatch, drill):
+    drill("server", "regeneration server dead, then fixed URL")
+    monkeypatch.setattr("data.regenerate.time.sleep", lambda s: None)
+    out = tmp_path / "regen"
+    with pytest.raises(RuntimeError, match=r"8 conversations failed on the server, in 3 of 3 chunks .*"
+                                           r"ConnectionError from http://127\.0\.0\.1:9.*"
+                                           r"Fix the server / regen\.server_urls and rerun: finished chunks are kept"):
+        _run(_openai_recipe([DEAD_URL], prompt_file), out, qwen3_tokenizer)
+    assert not (out / "DONE.json").exists()
+
+    # a server down for one prompt only: the other chunks are finished and kept, the stage is still not done
+    partly = _ChatServer(down_on="haiku")
+    try:
+        with pytest.raises(RuntimeError, match=r"1 conversations failed on the server, in 1 of 3 chunks.*HTTP 503"):
+            _run(_openai_recipe([partly.url], prompt_file), out, qwen3_tokenizer)
+    finally:
+        partly.close()
+    assert not (out / "DONE.json").exists() and len(list((out / "chunks").glob("chunk-*.json"))) == 2
+
+    working = _ChatServer()
+    try:
+        done = _run(_openai_recipe([working.url], prompt_file), out, qwen3_tokenizer)
+    finally:
+        working.close()
+    expected, healthy = healthy_records
+    assert (out / "records.jsonl").read_bytes() == expected and done["records"] == 8
+    assert not list((out / "chunks").glob("failed-*.json"))
+    # only the chunk that failed was asked again
+    asked = {b["messages"][0]["content"] for _, b in working.requests}
+    assert any("haiku" in text for text in asked) and len(working.requests) < len(healthy.requests)
+
+
+def test_a_stage_that_regenerates_nothing_fails_without_marking_itself_done(qwen3_tokenizer, tmp_path, drill):
+    drill("bad-input", "sources that regenerate nothing")
+    no_answers = tmp_path / "no_answers.jsonl"
+    no_answers.write_text("".join(json.dumps({"turns": [f"question {i}"]}) + "\n" for i in range(4)))
+    recipe = load_recipe("dspark_qwen3_8b", ["regen.backend=source", "loss.ce_labels=target", "data.num_prompts=4",
+                                             f"data.sources=[{{name: '{no_answers}'}}]", "data.holdout_fraction=0"])
+    out = tmp_path / "failed"
+    with pytest.raises(ValueError, match=r"no conversation was regenerated from data.sources \['.*no_answers\.jsonl'\]"
+                                         r": all 4 prompts failed.*the source has no answer"):
+        _run(recipe, out, qwen3_tokenizer)
+    assert not (out / "DONE.json").exists()
+
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("".join(json.dumps({"prompt": " "}) + "\n" for _ in range(4)))
+    recipe = load_recipe("dspark_qwen3_8b", ["regen.backend=source", "loss.ce_labels=target", "data.allow_fewer=true",
+                                             f"data.sources=[{{name: '{blank}'}}]", "data.num_prompts=4"])
+    with pytest.raises(ValueError, match=r"no prompt was loaded from data.sources \['.*blank\.jsonl'\]"), \
+            pytest.warns(UserWarning, match="has only 0 train prompts"):
+        _run(recipe, tmp_path / "empty", qwen3_tokenizer)
+    assert not (tmp_path / "empty").exists()
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_a_prompt_file_edited_between_two_runs_is_refused(prompt_file, qwen3_tokenizer, tmp_path, monkeypatch, drill):
+    drill("bad-input", "prompt file edited before a resume")
+    prompts = tmp_path / "prompts.jsonl"
+    shutil.copy(prompt_file, prompts)
+    recipe = load_recipe("dspark_qwen3_8b", ["regen.backend=source", "loss.ce_labels=target", "data.num_prompts=8",
+                                             f"data.sources=[{{name: '{prompts}'}}]", "regen.batch_size=3"])
+    out = tmp_path / "regen"
+
+    def killed_after_chunk_0(name, index):
+        if index == 0:
+            raise _Killed
+
+    with monkeypatch.context() as patch:
+        patch.setattr(regenerate, "fault_point", killed_after_chunk_0)
+        with pytest.raises(_Killed):
+            _run(recipe, out, qwen3_tokenizer)
+    assert (out / "chunks" / "chunk-00000.json").is_file() and not (out / "DONE.json").exists()
+
+    original = prompts.read_text()
+    prompts.write_text(original.replace("what is 3 + 3?", "what is 3 + 4?"))
+    with pytest.raises(StageMismatchError, match=r"prompts_sha256: '[0-9a-f]+' in the folder, '[0-9a-f]+' now"
+                                                 r"(.|\n)*The prompts changed"):
+        _run(recipe, out, qwen3_tokenizer)
+
+    prompts.write_text(original)  # restored: the run resumes
+    assert _run(recipe, out, qwen3_tokenizer)["records"] > 0
+    prompts.unlink()  # a finished folder is skipped without reading its prompts
+    assert _run(recipe, out, qwen3_tokenizer) == json.loads((out / "DONE.json").read_text())
