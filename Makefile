@@ -52,12 +52,18 @@ demo: venv
 	$(OFFLINE) $(BIN)/torchrun --nproc_per_node=$(NPROC) train/main.py --recipe dspark_smollm2_135m \
 		--out runs/demo --set data.num_prompts=64 --set data.max_turns=1 --set train.max_steps=100
 
+# DeepSpeed's CPU shared-memory collectives are compiled first (~1.5 min once; torch keeps the build under
+# ~/.cache/torch_extensions), not inside whichever multi-rank ZeRO test happens to start first (the demo never needs it).
+DS_SHM_OP := $(OFFLINE) $(BIN)/python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()"
+
 test: venv venv-vllm
+	$(DS_SHM_OP)
 	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 # The drill suite alone (also part of `make test`): kills, full disk, corruption, two runs, failing servers, bad
 # inputs; ends with its summary.
 drills: venv venv-vllm
+	$(DS_SHM_OP)
 	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m drill tests
 
 clean:

@@ -188,7 +188,8 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
                     dist, target)
         elif name == "eval":
             if dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
-                eval_report = run_eval_stage(recipe, final_draft(recipe, out), out / "eval", target())
+                with dist.every_core():  # the other ranks wait meanwhile
+                    eval_report = run_eval_stage(recipe, final_draft(recipe, out), out / "eval", target())
                 print_summary(eval_report)
             dist.wait()
         elif name == "export":

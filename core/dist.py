@@ -12,6 +12,7 @@ and of the cache stage, rank 0's eval and export) uses a separate gloo group wit
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -41,6 +42,18 @@ class Dist:
     def barrier(self) -> None:
         if self.world_size > 1:
             tdist.barrier()
+
+    @contextlib.contextmanager
+    def every_core(self):
+        """While this rank works alone and the others block in `wait` (rank 0's eval): all the cores this process
+        may run on, not the one-per-rank share torchrun sets (OMP_NUM_THREADS=1)."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(max(before, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                  else os.cpu_count() or 1))
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
 
     def wait(self) -> None:
         """A barrier where other ranks may still be busy with hours of work (regeneration, rank 0's eval): it has the

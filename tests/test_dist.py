@@ -34,3 +34,19 @@ def test_per_step_collectives_time_out_but_the_long_wait_does_not(tmp_path, dril
     assert all("error" not in seen for seen in ranks), ranks
     assert ranks[0]["wait_s"] > 4  # waited for rank 1's 6 s of "work" past the 3 s per-step timeout
     assert ranks[0]["sum"] != "completed" and ranks[0]["sum_s"] < 7.5, ranks[0]  # gave up instead of waiting 8 s
+
+
+def test_a_rank_working_alone_uses_every_core_then_gives_them_back():
+    """torchrun gives each rank one thread; rank 0's eval, while the others wait, takes all this process's cores."""
+    import torch
+
+    from core.dist import Dist
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Dist().every_core():
+            assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -71,6 +71,10 @@ def test_kill_at_every_fault_point_then_rerun_gives_the_same_bytes(clean, tiny_q
         drill("kill", f"kill -9 at {point}")
         if point == "regenerate:1":
             assert not (out / "regen" / "DONE.json").exists()
+        if point == "train-save:4":  # killed mid-save: `latest` still names the last complete checkpoint
+            checkpoints = out / "train" / "checkpoints"
+            assert (checkpoints / "latest").read_text().strip() == "step-0000002"
+            assert not (checkpoints / "step-0000004" / "trainer_state.pt").exists()
         if point == "cache:1":  # a half-written cache is refused by its reader, not read
             assert not (out / "cache" / "manifest.json").exists()
             recipe = load_recipe("dspark_qwen3_8b", ["target.name_or_path=" + str(tiny_qwen3)])
