@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval.live import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError, print_live_summary,  # noqa: E402
                        run_live_eval)
 from eval.run import print_summary, run_eval  # noqa: E402
-from modeling.registry import TargetMismatchError  # noqa: E402
+from data.sources import resolve_source  # noqa: E402
+from modeling.registry import TargetMismatchError, is_draft_dir  # noqa: E402
 
 
 def _live(args) -> int:
@@ -41,6 +42,28 @@ def _live(args) -> int:
     print_live_summary(report)
     print(f"[live] report: {Path(args.out) / 'report.md'}")
     return 0 if report["within_tolerance"] else 1
+
+
+def argument_problems(args) -> list[str]:
+    """What would otherwise fail only after the target is loaded, or silently evaluate nothing: checked first."""
+    problems = [f"{flag} must be > 0, got {value}" for flag, value in
+                (("--num-samples", args.num_samples), ("--max-new-tokens", args.max_new_tokens),
+                 ("--block-size", args.block_size)) if value is not None and value <= 0]
+    if not args.temperature >= 0:  # nan too
+        problems.append(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.draft != "ngram" and not args.draft.startswith("lm:") and not is_draft_dir(args.draft):
+        problems.append(f"--draft {args.draft}: not a draft folder (config.json + model.safetensors of a DSpark, "
+                        f"DFlash or Eagle3 draft, e.g. runs/<recipe>/train/final), nor `ngram` or `lm:<model>`")
+    try:
+        source = resolve_source(args.dataset, args.dataset_path)
+        if source.path and source.kind != "hub" and not Path(source.path).is_file():
+            problems.append(f"--dataset: file {source.path} not found")
+    except ValueError as err:
+        problems.append(f"--dataset: {err}")
+    if args.target.startswith(("/", ".", "~")) and not Path(args.target).expanduser().is_dir():
+        problems.append(f"--target {args.target}: no such model folder (a local HF checkpoint, a hub id like "
+                        f"Qwen/Qwen3-8B, or smollm2-135m-instruct)")
+    return problems
 
 
 def main(argv=None) -> int:
@@ -79,6 +102,9 @@ def main(argv=None) -> int:
     live.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                       help="extra argument for the server command line (repeatable), e.g. --server-arg=--enforce-eager")
     args = parser.parse_args(argv)
+    problems = argument_problems(args)
+    if problems:
+        parser.error("\n  ".join(problems))  # usage, the problems, exit code 2: before anything is loaded or written
     if args.live:
         return _live(args)
     try:

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from core.dist import Dist  # noqa: E402
+from core.io import write_checksums  # noqa: E402
 from train.trainer import Engine, load_checkpoint, save_checkpoint  # noqa: E402
 from test_resume import Payload, TinyDraft  # noqa: E402
 
@@ -38,6 +39,7 @@ result = {"step": load_checkpoint(other_engine, other, other_engine.optimizer, p
           "same_weights": torch.equal(other.weight, module.weight)}
 optim = next((path / "zero").glob("*optim_states.pt"))
 torch.save({"optimizer_state_dict": Payload(marker)}, optim)
+write_checksums(path)  # whoever crafts a checkpoint can rewrite its checksums too: weights_only must still refuse it
 try:
     load_checkpoint(other_engine, other, other_engine.optimizer, path)
     result["crafted"] = "loaded"

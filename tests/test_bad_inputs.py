@@ -1,10 +1,12 @@
 """Bad input drill: every value below used to be accepted and to fail late (after regeneration, after training) or
-never. Each is now refused by `train/main.py` before anything is loaded or written, with exit code 2 and a message
-that names the key (or file) and what a valid value is."""
+never. Each is now refused by `train/main.py` (or `eval.py`) before anything is loaded or written, with exit code 2
+and a message that names the key, flag or file and what a valid value is."""
+
+import importlib.util
 
 import pytest
 
-from conftest import tiny_overrides
+from conftest import ROOT, tiny_overrides
 from pipeline import main
 
 # (--set overrides, --stages, fragments the error must hold)
@@ -74,4 +76,32 @@ def test_malformed_yaml_names_the_file(tmp_path, capsys, drill):
     assert main(["--recipe", str(recipe), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"{recipe} is not valid YAML" in err and f'in "{recipe}", line 2' in err and "<unicode string>" not in err
+    assert not out.exists()
+
+
+# eval.py: (arguments, a fragment the error must hold); each refused with usage and exit code 2 before the target loads
+EVAL_CASES = [
+    (["--num-samples", "0"], "--num-samples must be > 0, got 0"),
+    (["--max-new-tokens", "-3"], "--max-new-tokens must be > 0, got -3"),
+    (["--temperature", "nan"], "--temperature must be >= 0"),
+    (["--draft", "/nonexistent/draft"], "--draft /nonexistent/draft: not a draft folder"),
+    (["--dataset", "mtbenhc"], "Did you mean 'mtbench'?"),
+    (["--dataset", "/nonexistent/prompts.jsonl"], "--dataset: file /nonexistent/prompts.jsonl not found"),
+    (["--target", "/nonexistent/model"], "--target /nonexistent/model: no such model folder"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", EVAL_CASES, ids=[" ".join(c[0]) for c in EVAL_CASES])
+def test_eval_cli_refuses_bad_arguments_before_loading_anything(args, fragment, tmp_path, capsys, drill):
+    drill("bad-input", "eval.py " + " ".join(args))
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    defaults = {"--draft": "ngram", "--target": "smollm2-135m-instruct", "--dataset": "mtbench"}
+    argv = [arg for flag, value in defaults.items() if flag not in args for arg in (flag, value)]
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit) as refused:
+        cli.main(argv + args + ["--out", str(out)])
+    assert refused.value.code == 2
+    assert fragment in capsys.readouterr().err
     assert not out.exists()
