@@ -70,10 +70,10 @@ def write_eval_prompts(path: Path, per_source: int, gsm8k: Path | None, seed: in
     return names
 
 
-def link_data(data_run: Path, family_run: Path) -> None:
+def link_data(data_run: Path, family_run: Path, names: tuple[str, ...] = ("regen", "cache")) -> None:
     """A family's run folder reads the shared regeneration and cache (the train stage only reads them)."""
     family_run.mkdir(parents=True, exist_ok=True)
-    for name in ("regen", "cache"):
+    for name in names:
         link = family_run / name
         if not link.exists():
             link.symlink_to((data_run / name).resolve(), target_is_directory=True)

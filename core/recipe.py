@@ -96,6 +96,9 @@ class RegenConfig:
 @dataclass
 class CacheConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    #: how hidden states are stored: raw (the dtype's bytes) | fp8 (e4m3 with a power-of-two scale per token and
+    #: layer: H + 1 bytes a row against bf16's 2H; read back in `dtype`). See data/cache.py.
+    encoding: Literal["raw", "fp8"] = "raw"
     #: conversations per target forward.
     batch_size: int = 8
     #: conversations per shard file; a shard is the unit of resume and of work split across ranks.

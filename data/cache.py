@@ -11,9 +11,20 @@ conversation ("record"), what a drafter needs at train time:
     last_hidden_state  dtype  [T, H]     the target's final-norm state (the frozen lm_head turns it
                                          into target logits, so full-vocabulary logits are never stored)
 
-``dtype`` is the cache dtype: bfloat16 (default), float16 or float32. Hidden states are stored as raw
-little-endian bytes of that dtype and come back as torch tensors of that dtype, as zero-copy views of a
-memory map. (bfloat16 has no numpy dtype, so it travels through numpy as int16 bit patterns.)
+``dtype`` is the cache dtype: bfloat16 (default), float16 or float32; hidden states always come back as torch
+tensors of that dtype. How they are stored is the cache's encoding (``cache.encoding``, the manifest's ``codec``):
+
+``raw``
+    little-endian bytes of the cache dtype, read back as zero-copy views of a memory map. (bfloat16 has no numpy
+    dtype, so it travels through numpy as int16 bit patterns.)
+``fp8``
+    each token's H-vector of each layer (a row: ``[T, K*H]`` is K rows a token, ``[T, H]`` one) as float8 e4m3
+    values and one power-of-two scale, ``x ~ value * 2**exponent``, the exponent putting the row's absmax in
+    [224, 448] (e4m3's top binade: its relative precision is the same in every binade, so a power of two loses
+    nothing to an exact absmax/448 scale, and scaling by it is exact). An array is its ``T*rows*H`` value bytes
+    followed directly by its ``T*rows`` int8 exponents: ``H + 1`` bytes a row against bf16's ``2H``. Reads decode
+    to a copy (``value * 2**exponent`` in the cache dtype); ``as_stored`` is the same round trip in memory
+    (data/online.py rounds its states with it).
 
 On-disk layout of a cache directory
 -----------------------------------
@@ -43,12 +54,13 @@ On-disk layout of a cache directory
 
 ``manifest.json``
     Written last and atomically; its presence is what makes a cache complete (a directory without it
-    is never readable). Keys: ``format_version``, ``codec`` ("raw"; a compressed codec may come later
-    and readers refuse codecs they do not know), ``num_records``, ``num_tokens``, ``num_shards``,
-    ``records_per_shard``, ``shards`` [{name, num_records, num_bytes, sha256}], ``target``,
-    ``layer_ids``, ``hidden_size``, ``dtype``, ``tokenizer_fingerprint``, ``index_record_size``,
-    ``index_sha256``, ``alignment`` and a free ``meta`` dict. It holds nothing nondeterministic (no
-    timestamps, hosts or paths): two caches written from the same records are byte-identical.
+    is never readable). Keys: ``format_version``, ``codec`` (the encoding, "raw" or "fp8"; readers refuse
+    codecs they do not know, so a reader older than fp8 refuses an fp8 cache), ``num_records``,
+    ``num_tokens``, ``num_shards``, ``records_per_shard``, ``shards`` [{name, num_records, num_bytes,
+    sha256}], ``target``, ``layer_ids``, ``hidden_size``, ``dtype``, ``tokenizer_fingerprint``,
+    ``index_record_size``, ``index_sha256``, ``alignment`` and a free ``meta`` dict. It holds nothing
+    nondeterministic (no timestamps, hosts or paths): two caches written from the same records are
+    byte-identical.
 
 Writing and crash safety
 ------------------------
@@ -88,7 +100,7 @@ from core.io import sha256_file
 
 __all__ = [
     "FORMAT_VERSION",
-    "CODEC",
+    "ENCODINGS",
     "ALIGNMENT",
     "INDEX_STRUCT",
     "CacheSpec",
@@ -97,14 +109,16 @@ __all__ = [
     "CacheFormatError",
     "CacheCorruptedError",
     "CacheIncompleteError",
+    "as_stored",
     "bytes_per_token",
     "format_bytes",
 ]
 
 FORMAT_VERSION = 1
-CODEC = "raw"
-#: codecs this reader can decode; a future compressed codec gets added here together with its reader.
-SUPPORTED_CODECS = ("raw",)
+#: how hidden states are stored (the manifest's codec); a new one gets added here together with its reader.
+ENCODINGS = ("raw", "fp8")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
 ALIGNMENT = 64
 
 INDEX_STRUCT = struct.Struct("<QIIQQQQQII")
@@ -137,10 +151,9 @@ _DTYPES = {
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
-
 # --------------------------------------------------------------------------------------------- errors
 class CacheMismatchError(ValueError):
-    """The cache was built for another target / layers / tokenizer / dtype than the one asked for."""
+    """The cache was built for another target / layers / tokenizer / dtype / encoding than the one asked for."""
 
 
 class CacheFormatError(CacheMismatchError):
@@ -158,13 +171,14 @@ class CacheIncompleteError(RuntimeError):
 # ----------------------------------------------------------------------------------------------- spec
 @dataclass(frozen=True)
 class CacheSpec:
-    """What a cache holds: which target, which layers, what width and dtype, which tokenizer."""
+    """What a cache holds: which target, which layers, what width and dtype, which tokenizer, how it is encoded."""
 
     target: str
     layer_ids: tuple[int, ...]
     hidden_size: int
     dtype: str = "bfloat16"
     tokenizer_fingerprint: str = ""
+    encoding: str = "raw"
 
     def __post_init__(self):
         # Normalise here so that specs built from YAML lists or "bf16" compare equal to manifest specs.
@@ -181,6 +195,8 @@ class CacheSpec:
         object.__setattr__(self, "hidden_size", int(self.hidden_size))
         object.__setattr__(self, "target", str(self.target))
         object.__setattr__(self, "tokenizer_fingerprint", str(self.tokenizer_fingerprint))
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"CacheSpec.encoding {self.encoding!r} is not one of {list(ENCODINGS)}")
 
     @property
     def num_layers(self) -> int:
@@ -194,8 +210,14 @@ class CacheSpec:
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype][0]
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one token's H-vector of one layer takes on disk: H values of the dtype, or fp8's H + one exponent."""
+        return self.hidden_size + 1 if self.encoding == "fp8" else self.hidden_size * self.itemsize
+
     def to_json(self) -> dict:
         return {
+            "codec": self.encoding,
             "target": self.target,
             "layer_ids": list(self.layer_ids),
             "hidden_size": self.hidden_size,
@@ -205,8 +227,34 @@ class CacheSpec:
 
 
 def bytes_per_token(spec: CacheSpec) -> int:
-    """Bytes one token costs in the cache, alignment padding ignored: int32 id + uint8 mask + (K+1)*H values."""
-    return 4 + 1 + (spec.num_layers + 1) * spec.hidden_size * spec.itemsize
+    """Bytes one token costs in the cache, alignment padding ignored: int32 id + uint8 mask + K+1 stored rows."""
+    return 4 + 1 + (spec.num_layers + 1) * spec.row_bytes
+
+
+# --------------------------------------------------------------------------------------------- fp8 codec
+def fp8_encode(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., H] floats -> (values [..., H] float8 e4m3, exponents [...] int8), rows ~ values * 2**exponents.
+
+    frexp gives the e with 2**(e-1) <= absmax / 448 < 2**e, so absmax / 2**e is in [224, 448] (448: e4m3's largest
+    value; none saturates). Clamped to int8's range, which only rows below 1e-35 reach."""
+    rows = rows.float()
+    exponents = torch.frexp(rows.abs().amax(-1) / FP8_MAX).exponent.clamp(-127, 127)
+    return torch.ldexp(rows, -exponents[..., None]).to(FP8), exponents.to(torch.int8)
+
+
+def fp8_decode(values: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8_encode's inverse, rounded to `dtype`."""
+    return torch.ldexp(values.float(), exponents[..., None].int()).to(dtype)
+
+
+def as_stored(states: torch.Tensor, spec: CacheSpec) -> torch.Tensor:
+    """`states` ([T, n*H]: n layers' rows per token) exactly as a cache of `spec` gives them back: in its dtype and
+    through its encoding. What data/online.py trains on, so online and offline runs see the same numbers."""
+    states = states.to(spec.torch_dtype)
+    if spec.encoding == "raw":
+        return states
+    rows = states.reshape(*states.shape[:-1], -1, spec.hidden_size)
+    return fp8_decode(*fp8_encode(rows), spec.torch_dtype).reshape(states.shape)
 
 
 def format_bytes(n: float) -> str:
@@ -259,8 +307,9 @@ class TargetCache(torch.utils.data.Dataset):
     """Read-only view of a finished cache; ``ds[i]`` -> dict of torch tensors for record i.
 
     ``hidden_states`` and ``last_hidden_state`` (and ``loss_mask``) are zero-copy views of a
-    copy-on-write memory map: in-place edits never reach the file, but they do change what a later
-    read of the same record in this process sees (and then fails its crc) -- clone before mutating.
+    copy-on-write memory map (an fp8 cache's hidden states are decoded copies): in-place edits never reach the file,
+    but they do change what a later read of the same record in this process sees (and then fails its crc) -- clone
+    before mutating.
     ``input_ids`` comes back as int64 (a copy), ready for embedding lookups. When ``expect`` names a subset of
     the cache's layers, ``hidden_states`` is a copy of those layers' columns in ``expect``'s order.
     """
@@ -290,10 +339,10 @@ class TargetCache(torch.utils.data.Dataset):
         missing = [k for k in _REQUIRED_KEYS if k not in manifest]
         if missing:
             raise CacheCorruptedError(f"{manifest_path} lacks keys {missing}")
-        if manifest["codec"] not in SUPPORTED_CODECS:
+        if manifest["codec"] not in ENCODINGS:
             raise CacheFormatError(
                 f"the cache at {self.root} uses codec {manifest['codec']!r}, which this version of DraftSmith "
-                f"cannot read (known codecs: {list(SUPPORTED_CODECS)}); upgrade DraftSmith or rebuild the cache."
+                f"cannot read (known codecs: {list(ENCODINGS)}); upgrade DraftSmith or rebuild the cache."
             )
         if manifest["format_version"] != FORMAT_VERSION:
             raise CacheFormatError(
@@ -314,12 +363,13 @@ class TargetCache(torch.utils.data.Dataset):
                 hidden_size=manifest["hidden_size"],
                 dtype=manifest["dtype"],
                 tokenizer_fingerprint=manifest["tokenizer_fingerprint"],
+                encoding=manifest["codec"],
             )
         except ValueError as e:
             raise CacheFormatError(f"{manifest_path}: {e}") from None
         if expect is not None:
             self._check_expect(expect)
-        self._torch_dtype, self._storage, self._itemsize = _DTYPES[self.spec.dtype]
+        self._torch_dtype, self._storage, _ = _DTYPES[self.spec.dtype]
         self._shard_names = [s["name"] for s in manifest["shards"]]
         if len(self._shard_names) != manifest["num_shards"]:
             raise CacheCorruptedError(f"{manifest_path}: num_shards disagrees with the shards list")
@@ -381,7 +431,7 @@ class TargetCache(torch.utils.data.Dataset):
             # columns, in its own order: one cache serves every family.
             self.layer_select = [list(have.layer_ids).index(i) for i in expect.layer_ids]
             have = CacheSpec(**{**have.__dict__, "layer_ids": tuple(expect.layer_ids)})
-        for field in ("target", "layer_ids", "hidden_size", "tokenizer_fingerprint", "dtype"):
+        for field in ("target", "layer_ids", "hidden_size", "tokenizer_fingerprint", "dtype", "encoding"):
             a, b = getattr(have, field), getattr(expect, field)
             if a != b:
                 fmt = (lambda v: list(v)) if field == "layer_ids" else (lambda v: v)
@@ -440,12 +490,12 @@ class TargetCache(torch.utils.data.Dataset):
         name = self._shard_names[shard_id]
         mm = self._shard(shard_id)
         spec = self.spec
-        H, KH = spec.hidden_size, spec.num_layers * spec.hidden_size
+        K, H = spec.num_layers, spec.hidden_size
         parts = (
             ("off_input_ids", T * 4),
             ("off_loss_mask", T),
-            ("off_hidden_states", T * KH * self._itemsize),
-            ("off_last_hidden_state", T * H * self._itemsize),
+            ("off_hidden_states", T * K * spec.row_bytes),
+            ("off_last_hidden_state", T * spec.row_bytes),
         )
         for key, size in parts:
             off = int(row[key])
@@ -467,14 +517,22 @@ class TargetCache(torch.utils.data.Dataset):
             off = int(row[key])
             return mm[off : off + count * np_dtype.itemsize].view(np_dtype)
 
+        def states(key: str, rows: int) -> torch.Tensor:
+            """[T, rows*H] in the cache dtype: views of the raw bytes, or decoded from fp8 values and exponents."""
+            count = T * rows * H
+            if spec.encoding == "fp8":  # the values, then one exponent per (token, row)
+                stored = torch.from_numpy(view(key, np.dtype("u1"), count + T * rows))
+                values = stored[:count].view(FP8).view(T, rows, H)
+                exponents = stored[count:].view(torch.int8).view(T, rows)
+                return fp8_decode(values, exponents, self._torch_dtype).view(T, rows * H)
+            raw = torch.from_numpy(view(key, self._storage, count).reshape(T, rows * H))
+            return raw.view(torch.bfloat16) if self._torch_dtype == torch.bfloat16 else raw
+
         input_ids = torch.from_numpy(view("off_input_ids", np.dtype("<i4"), T).astype(np.int64))
         loss_mask = torch.from_numpy(view("off_loss_mask", np.dtype("u1"), T))
-        hs = torch.from_numpy(view("off_hidden_states", self._storage, T * KH).reshape(T, KH))
-        last = torch.from_numpy(view("off_last_hidden_state", self._storage, T * H).reshape(T, H))
-        if self._torch_dtype == torch.bfloat16:
-            hs, last = hs.view(torch.bfloat16), last.view(torch.bfloat16)
+        hs, last = states("off_hidden_states", K), states("off_last_hidden_state", 1)
         if self.layer_select is not None:  # a copy of the recipe's layers, in its order
-            hs = hs.view(T, spec.num_layers, H)[:, self.layer_select].reshape(T, len(self.layer_select) * H)
+            hs = hs.view(T, K, H)[:, self.layer_select].reshape(T, len(self.layer_select) * H)
         return {"input_ids": input_ids, "loss_mask": loss_mask, "hidden_states": hs, "last_hidden_state": last}
 
     def verify(self) -> None:

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from core.io import atomic_write_bytes, fsync_dir, replace, sync_file, write_failure
-from data.cache import (ALIGNMENT, CODEC, FORMAT_VERSION, INDEX_NAME, INDEX_STRUCT, MANIFEST_NAME, CacheCorruptedError,
-                        CacheMismatchError, CacheSpec, _DTYPES, align, canonical_json, remove_if_exists, shard_name,
+from data.cache import (ALIGNMENT, FORMAT_VERSION, INDEX_NAME, INDEX_STRUCT, MANIFEST_NAME, CacheCorruptedError,
+                        CacheMismatchError, CacheSpec, align, canonical_json, fp8_encode, remove_if_exists, shard_name,
                         sidecar_name)
 
 PLAN_NAME = "writer-plan.json"
@@ -54,16 +54,15 @@ def _to_int_array(value: Any, what: str, np_dtype: np.dtype, lo: int, hi: int) -
     return np.ascontiguousarray(arr.astype(np_dtype, copy=False))
 
 
-def _to_hidden_array(value: Any, what: str, spec: CacheSpec) -> np.ndarray:
-    """Hidden states -> contiguous numpy array holding the raw bytes of the cache dtype.
+def _to_hidden_tensor(value: Any, what: str, spec: CacheSpec) -> torch.Tensor:
+    """Hidden states -> contiguous CPU tensor of the cache dtype.
 
     Floating tensors/arrays are cast to the cache dtype (so an fp32 capture can go into a bf16 cache);
     for a bfloat16 cache, numpy int16/uint16 arrays are taken as raw bf16 bit patterns.
     """
-    torch_dtype, storage, _ = _DTYPES[spec.dtype]
     if isinstance(value, np.ndarray):
         if spec.dtype == "bfloat16" and value.dtype in (np.int16, np.uint16):
-            return np.ascontiguousarray(value.view(np.int16).astype(storage, copy=False))
+            return torch.from_numpy(np.ascontiguousarray(value.view(np.int16))).view(torch.bfloat16)
         if value.dtype.kind != "f":
             raise ValueError(f"{what} must be floating point, got numpy {value.dtype}")
         value = torch.from_numpy(np.ascontiguousarray(value))
@@ -72,10 +71,15 @@ def _to_hidden_array(value: Any, what: str, spec: CacheSpec) -> np.ndarray:
     if not value.is_floating_point():
         raise ValueError(f"{what} must be floating point, got {value.dtype}")
     # Cast before moving to CPU: on GPU the cast is free and the transfer gets smaller.
-    t = value.detach().to(torch_dtype).cpu().contiguous()
-    if torch_dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy()
+    return value.detach().to(spec.torch_dtype).cpu().contiguous()
+
+
+def _encoded(states: torch.Tensor, spec: CacheSpec) -> list[np.ndarray]:
+    """[T, n*H] states in the cache dtype -> the byte arrays they are stored as, back to back (see data/cache.py)."""
+    if spec.encoding == "fp8":
+        values, exponents = fp8_encode(states.view(states.shape[0], -1, spec.hidden_size))
+        return [values.view(torch.uint8).numpy(), exponents.numpy()]
+    return [(states.view(torch.int16) if states.dtype == torch.bfloat16 else states).numpy()]
 
 
 class _ShardSink:
@@ -137,8 +141,7 @@ class CacheWriter:
             raise ValueError(f"meta must be a JSON-serialisable dict without NaN/inf: {e}") from None
         self._plan = {
             "format_version": FORMAT_VERSION,
-            "codec": CODEC,
-            **spec.to_json(),
+            **spec.to_json(),  # its codec too: resuming with another encoding is refused
             "num_records": self.num_records,
             "records_per_shard": self.records_per_shard,
             "meta": self.meta,
@@ -304,8 +307,8 @@ class CacheWriter:
         try:
             ids = _to_int_array(rec["input_ids"], "input_ids", np.dtype("<i4"), _INT32.min, _INT32.max)
             mask = _to_int_array(rec["loss_mask"], "loss_mask", np.dtype("u1"), 0, 255)
-            hs = _to_hidden_array(rec["hidden_states"], "hidden_states", spec)
-            last = _to_hidden_array(rec["last_hidden_state"], "last_hidden_state", spec)
+            hs = _to_hidden_tensor(rec["hidden_states"], "hidden_states", spec)
+            last = _to_hidden_tensor(rec["last_hidden_state"], "last_hidden_state", spec)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
         if ids.ndim != 1 or ids.shape[0] < 1:
@@ -327,11 +330,12 @@ class CacheWriter:
         sink.pad()  # records start aligned (a no-op after the previous record's trailing pad)
         sink.crc = 0
         offsets = []
-        for k, arr in enumerate((ids, mask, hs, last)):
+        for k, arrays in enumerate(([ids], [mask], _encoded(hs, spec), _encoded(last, spec))):
             if k:
                 sink.pad()  # inter-array padding is part of the crc'd span
             offsets.append(sink.pos)
-            sink.write(arr.reshape(-1))
+            for arr in arrays:
+                sink.write(arr.reshape(-1))
         num_bytes = sink.pos - offsets[0]
         crc = sink.crc
         sink.pad()
@@ -379,7 +383,6 @@ class CacheWriter:
             num_tokens += info["num_tokens"]
         manifest = {
             "format_version": FORMAT_VERSION,
-            "codec": CODEC,
             "num_records": self.num_records,
             "num_tokens": num_tokens,
             "num_shards": self.num_shards(),

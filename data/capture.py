@@ -35,7 +35,7 @@ TARGET_WEIGHTS_META = "target_weights"  # in the manifest's meta: the weights fi
 def cache_spec(recipe, hidden_size: int, tokenizer) -> CacheSpec:
     return CacheSpec(target=recipe.target.name_or_path, layer_ids=tuple(recipe.target.layer_ids),
                      hidden_size=hidden_size, dtype=recipe.cache.dtype,
-                     tokenizer_fingerprint=tokenizer_fingerprint(tokenizer))
+                     tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), encoding=recipe.cache.encoding)
 
 
 def tokenize_records(records: list[dict], tokenizer, recipe) -> tuple[list[dict], int]:
@@ -136,6 +136,8 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
     spec = cache_spec(recipe, target_hidden_size(recipe.target.name_or_path), tokenizer)
     settings = {"regen_records_sha256": records_sha256, "spec": asdict(spec), "cache": asdict(recipe.cache),
                 "data": {k: getattr(recipe.data, k) for k in ("max_length", "thinking", "min_loss_tokens")}}
+    if spec.encoding == "raw":  # pinned as before cache.encoding existed: older runs' finished caches still skip
+        del settings["spec"]["encoding"], settings["cache"]["encoding"]
     done = stage.start(out_dir, settings, "cache", dist.is_main)
     if done is not None:
         return done
@@ -147,7 +149,7 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
     per_token = bytes_per_token(spec)
     dist.print(f"[cache] {len(rows)} conversations ({dropped} dropped under data.min_loss_tokens), {num_tokens} tokens; "
                f"{per_token} B/token ({len(spec.layer_ids)} layers + final norm, hidden {spec.hidden_size}, "
-               f"{spec.dtype}) -> about {format_bytes(per_token * num_tokens)}")
+               f"{spec.dtype}, encoding {spec.encoding}) -> about {format_bytes(per_token * num_tokens)}")
 
     per_shard = recipe.cache.records_per_shard
     writer = CacheWriter(str(out_dir), spec, num_records=len(rows), records_per_shard=per_shard,

@@ -8,10 +8,10 @@ tokenizes them, in the same order) and, for each micro-batch, runs the target (n
 get the selected layers' outputs and the final-norm state. Nothing reaches the disk but checkpoints: a cache costs
 6.9 KB per token for SmolLM2 and 30-40 KB per token for an 8B target, terabytes for a real run.
 
-The states are rounded to `cache.dtype`, as the cache stage would store them, so an online run and an offline run
-of one recipe (same seed, same rows) train on the same numbers and log the same losses. The price is one target
-forward per sequence per epoch instead of one in all; a target too large to sit beside the drafter in every training
-process keeps the offline cache.
+The states are rounded to `cache.dtype` and through `cache.encoding`, exactly as an offline run reads them back from
+the cache (data/cache.py's `as_stored`), so an online run and an offline run of one recipe (same seed, same rows)
+train on the same numbers and log the same losses. The price is one target forward per sequence per epoch instead of
+one in all; a target too large to sit beside the drafter in every training process keeps the offline cache.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from data.capture import (TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, capture_rows, loss_token_counts, regen_digest,
-                          training_rows)
-from modeling.target import weights_fingerprint
+from data.cache import as_stored
+from data.capture import (TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, cache_spec, capture_rows, loss_token_counts,
+                          regen_digest, training_rows)
+from modeling.target import target_hidden_size, weights_fingerprint
 
 
 class OnlineRecords:
@@ -38,10 +39,13 @@ class OnlineRecords:
         self.rows, dropped = training_rows(recipe, regen_dir, tokenizer)
         self.get_model = get_model
         self.layer_ids = list(recipe.target.layer_ids)
-        self.dtype = getattr(torch, recipe.cache.dtype)
+        #: the cache the cache stage would write: the states go through its dtype and encoding
+        self.spec = cache_spec(recipe, target_hidden_size(recipe.target.name_or_path), tokenizer)
         self.batch_size = recipe.cache.batch_size
-        # The manifest keys the Trainer and the families read: the data's identity, Eagle3's token counts.
-        self.manifest = {"index_sha256": f"online:{records_sha256}", "num_records": len(self.rows),
+        # The manifest keys the Trainer and the families read: the data's identity (the train stage pins it, so a
+        # resume with another encoding is refused), Eagle3's token counts.
+        identity = f"online:{records_sha256}" + ("" if self.spec.encoding == "raw" else f":{self.spec.encoding}")
+        self.manifest = {"index_sha256": identity, "num_records": len(self.rows),
                          "num_tokens": sum(len(r["input_ids"]) for r in self.rows),
                          "meta": {"regen_records_sha256": records_sha256, "dropped": dropped,
                                   TOKEN_COUNTS_KEY: loss_token_counts(self.rows),
@@ -60,6 +64,7 @@ class OnlineRecords:
         out = []
         for start in range(0, len(records), self.batch_size):
             chunk = records[start: start + self.batch_size]
-            states = capture_rows(model, chunk, self.layer_ids, self.dtype)
-            out += [{**r, "hidden_states": hidden, "last_hidden_state": last} for r, (hidden, last) in zip(chunk, states)]
+            states = capture_rows(model, chunk, self.layer_ids, self.spec.torch_dtype)
+            out += [{**r, "hidden_states": as_stored(hidden, self.spec),
+                     "last_hidden_state": as_stored(last, self.spec)} for r, (hidden, last) in zip(chunk, states)]
         return out

@@ -24,6 +24,7 @@ from data.cache import (
     CacheMismatchError,
     CacheSpec,
     TargetCache,
+    as_stored,
     bytes_per_token,
     format_bytes,
 )
@@ -31,6 +32,9 @@ from data.cache_writer import CacheWriter
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SPEC = CacheSpec(target="toy/target", layer_ids=(1, 3, 5), hidden_size=8, tokenizer_fingerprint="tok-abc")
+FP8_SPEC = CacheSpec(**{**SPEC.__dict__, "encoding": "fp8"})
+#: a cache of 3 records, 2 a shard, written by the writer of commit 9acbcd3, before cache.encoding existed
+OLD_RAW_CACHE = os.path.join(TESTS_DIR, "fixtures", "cache-raw-v1")
 NUM_RECORDS, PER_SHARD = 10, 3  # 4 shards, the last one holding a single record
 
 
@@ -140,6 +144,71 @@ def test_numpy_inputs_and_fp32_into_bf16(tmp_path):
         assert torch.equal(bits(ds[r]["last_hidden_state"]), bits(want["last_hidden_state"]))
 
 
+def test_a_cache_of_the_writer_before_encodings_reads_and_raw_bytes_are_unchanged(tmp_path):
+    ds = TargetCache(OLD_RAW_CACHE, expect=SPEC, verify=True)
+    assert "encoding" not in ds.manifest and ds.spec.encoding == "raw"
+    for r in range(len(ds)):
+        want = make_record(r)
+        assert torch.equal(bits(ds[r]["hidden_states"]), bits(want["hidden_states"]))
+        assert torch.equal(bits(ds[r]["last_hidden_state"]), bits(want["last_hidden_state"]))
+    write_cache(tmp_path, num_records=3, per_shard=2)  # today's raw cache of the same records: the same bytes
+    assert dir_digest(tmp_path) == dir_digest(OLD_RAW_CACHE)
+
+
+def fp8_error_bound(x: torch.Tensor) -> torch.Tensor:
+    """Half an e4m3 step at each element: 1/16 of it (3 mantissa bits), or, below e4m3's normal range, half its
+    subnormal step, 2**-10 of a power-of-two scale at most absmax/224."""
+    x = x.float()
+    return torch.maximum(x.abs() / 16, x.abs().amax(-1, keepdim=True) / 224 / 1024)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_round_trip_is_the_in_memory_round_trip_within_half_a_step(tmp_path, dtype):
+    spec = CacheSpec(**{**FP8_SPEC.__dict__, "dtype": dtype})
+    manifest = write_cache(tmp_path, spec)
+    assert manifest["codec"] == "fp8" and manifest["dtype"] == dtype
+    ds = TargetCache(str(tmp_path), expect=spec, verify=True)
+    H = spec.hidden_size
+    for r in range(NUM_RECORDS):
+        want, got = make_record(r, spec), ds[r]
+        assert torch.equal(got["input_ids"], want["input_ids"].to(torch.int64))
+        for key in ("hidden_states", "last_hidden_state"):
+            x, x_hat = want[key], got[key]
+            assert x_hat.dtype == spec.torch_dtype and x_hat.shape == x.shape
+            # what data/online.py trains on is exactly what an offline run reads
+            assert torch.equal(bits(x_hat), bits(as_stored(x, spec)))
+            rows = x.view(x.shape[0], -1, H)  # each token's row of each layer is scaled on its own
+            error = (x_hat.view_as(rows).float() - rows.float()).abs()
+            assert (error <= fp8_error_bound(rows)).all()
+            assert 0 < error.max()  # it is lossy: the bound is what the test is about
+
+
+def test_fp8_rows_keep_their_precision_beside_outliers():
+    """SmolLM2's attention-sink rows reach 24832 where others stay near 1: each row keeps its own precision (within
+    the bound, which no zeroed, NaN or infinite value meets), an all-zero row and a row of tiny values included."""
+    x = torch.tensor([[24832.0, -3.0, 0.5, 1e-3], [0.9, -1.1, 0.3, 0.02], [0, 0, 0, 0], [3e-30, -1e-30, 2e-31, 0]])
+    x = x.to(torch.bfloat16)
+    x_hat = as_stored(x, CacheSpec("t", (1,), 4, encoding="fp8"))
+    assert ((x_hat.float() - x.float()).abs() <= fp8_error_bound(x)).all()
+
+
+def test_fp8_writes_are_byte_identical_and_take_half_of_bf16_plus_a_byte_a_row(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_cache(a, FP8_SPEC)
+    write_cache(b, FP8_SPEC)
+    assert dir_digest(a) == dir_digest(b)
+    # SmolLM2's shape (5 layers + the final norm, hidden 576): H + 1 bytes a row against bf16's 2H, 0.5009x
+    raw = CacheSpec("t", (1, 8, 14, 21, 27), 576)
+    fp8 = CacheSpec(**{**raw.__dict__, "encoding": "fp8"})
+    assert bytes_per_token(fp8) == 4 + 1 + 6 * 577 and bytes_per_token(raw) == 4 + 1 + 6 * 1152
+    num_records = 4
+    for spec in (raw, fp8):
+        manifest = write_cache(tmp_path / spec.encoding, spec, num_records=num_records, per_shard=2)
+        on_disk = sum(s["num_bytes"] for s in manifest["shards"])
+        # bytes_per_token is what the layout takes, give or take its alignment (under 64 B after each of 4 arrays)
+        assert 0 <= on_disk - manifest["num_tokens"] * bytes_per_token(spec) < num_records * 4 * ALIGNMENT
+
+
 # ------------------------------------------------------------------------- determinism and crash resume
 KILL_SCRIPT = textwrap.dedent(
     """
@@ -244,6 +313,8 @@ def test_resume_with_other_settings_refused(tmp_path):
     w.write_shard(0, (make_record(r) for r in w.shard_range(0)))
     with pytest.raises(CacheMismatchError, match="records_per_shard"):
         CacheWriter(str(tmp_path), SPEC, NUM_RECORDS, PER_SHARD + 1)
+    with pytest.raises(CacheMismatchError, match="codec: directory has 'raw', this writer has 'fp8'"):
+        CacheWriter(str(tmp_path), FP8_SPEC, NUM_RECORDS, PER_SHARD)
 
 
 # ------------------------------------------------------------------------------------------- refusals
@@ -288,6 +359,7 @@ def test_temp_leftover_never_counts_as_shard(tmp_path, drill):
         ("tokenizer_fingerprint", "tok-xyz"),
         ("hidden_size", 16),
         ("dtype", "float16"),
+        ("encoding", "fp8"),
     ],
 )
 def test_mismatch_refused_naming_field(tmp_path, field, value):
@@ -300,7 +372,7 @@ def test_mismatch_refused_naming_field(tmp_path, field, value):
     shown = list(value) if field == "layer_ids" else value
     assert repr(shown) in msg and "Rebuild the cache" in msg
     # Only the mismatching field is named.
-    for other in ("layer_ids", "target", "tokenizer_fingerprint", "hidden_size", "dtype"):
+    for other in ("layer_ids", "target", "tokenizer_fingerprint", "hidden_size", "dtype", "encoding"):
         if other != field and other not in field:
             assert f"  {other}:" not in msg
     TargetCache(str(tmp_path), expect=SPEC)  # the matching spec is accepted
@@ -318,17 +390,19 @@ def test_a_recipe_reading_a_subset_of_the_layers_gets_their_columns(tmp_path):
         assert torch.equal(subset[i]["last_hidden_state"], full[i]["last_hidden_state"])
 
 
-def test_flipped_byte_detected(tmp_path, drill):
-    drill("corruption", "a flipped byte in a cache shard")
-    write_cache(tmp_path)
+@pytest.mark.parametrize("spec,where", [(SPEC, "value"), (FP8_SPEC, "value"), (FP8_SPEC, "exponent")])
+def test_flipped_byte_detected(tmp_path, spec, where, drill):
+    drill("corruption", f"a flipped {where} byte in a cache shard ({spec.encoding})")
+    write_cache(tmp_path, spec)
     ds = TargetCache(str(tmp_path))
-    # Flip one byte inside record 4's hidden states (shard 1).
+    # Flip one byte inside record 4's hidden states (shard 1): a value, or an fp8 row's exponent after the values.
     raw = (tmp_path / "index.bin").read_bytes()
     row = INDEX_STRUCT.unpack_from(raw, 4 * INDEX_STRUCT.size)
     assert row[1] == 1
     path = tmp_path / "shard-00001.bin"
     data = bytearray(path.read_bytes())
-    data[row[5] + 3] ^= 0x40
+    values = row[2] * spec.num_layers * spec.hidden_size  # T*K*H bytes of fp8 values
+    data[row[5] + (values + 1 if where == "exponent" else 3)] ^= 0x40
     path.write_bytes(bytes(data))
     del ds
 
@@ -402,6 +476,7 @@ def test_bytes_per_token_and_format_bytes():
     spec = CacheSpec(target="t", layer_ids=(1, 9, 17, 25, 33), hidden_size=2560)
     assert bytes_per_token(spec) == 4 + 1 + 6 * 2560 * 2
     assert bytes_per_token(CacheSpec("t", (1,), 4, dtype="float32")) == 4 + 1 + 2 * 4 * 4
+    assert bytes_per_token(CacheSpec("t", (1,), 4, dtype="float32", encoding="fp8")) == 4 + 1 + 2 * (4 + 1)
     assert format_bytes(512) == "512 B"
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(int(1.23 * 2**30)) == "1.23 GiB"

@@ -5,8 +5,16 @@ online run (killed and resumed on the way) logs exactly the losses of the offlin
 import json
 import shutil
 
+import pytest
+import torch
 
 from conftest import run_cli, set_args, tiny_overrides
+from core import stage
+from core.dist import Dist
+from core.recipe import load_recipe
+from data.capture import open_cache, run_cache
+from data.online import OnlineRecords
+from modeling.target import load_target, load_tokenizer
 from pipeline import main
 from test_trainer import TRAIN, assert_same_run, metrics
 
@@ -33,6 +41,30 @@ def test_online_run_equals_offline_run_and_resumes_exactly(tiny_qwen3, prompt_fi
 
     assert_same_run(online, offline)  # every loss, norm and rate, and the final weights, exactly
     assert all(row["hidden_s"] > 0 for row in metrics(online))
+
+
+@pytest.mark.parametrize("encoding", ["raw", "fp8"])
+def test_online_states_are_what_an_offline_run_reads_back(tiny_qwen3, tmp_path, encoding):
+    """Bit for bit, cache.dtype's rounding and cache.encoding's round trip included: the run above, without training."""
+    recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", f"cache.encoding={encoding}",
+                                             "cache.batch_size=1", "data.min_loss_tokens=1"])
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    conversations = [[{"role": "user", "content": f"What is {i} + {i}?"},
+                      {"role": "assistant", "content": f"{i} + {i} is {2 * i}."}] for i in range(3)]
+    (regen / "records.jsonl").write_text("".join(json.dumps({"id": str(i), "conversations": conversation}) + "\n"
+                                                 for i, conversation in enumerate(conversations)))
+    stage.mark_done(regen, {})
+    model, tokenizer = load_target(str(tiny_qwen3)), load_tokenizer(str(tiny_qwen3))
+    run_cache(recipe, regen, tmp_path / "cache", Dist(), lambda: model, tokenizer)
+    offline = open_cache(recipe, tmp_path / "cache", model.config.hidden_size, tokenizer)
+    assert offline.manifest["codec"] == encoding
+    online = OnlineRecords(recipe, regen, tokenizer, lambda: model)
+    assert len(online) == len(offline) == 3
+    for i, record in enumerate(online.with_hidden([online[i] for i in range(len(online))])):
+        for key in ("hidden_states", "last_hidden_state"):
+            assert record[key].dtype == offline[i][key].dtype == torch.bfloat16
+            assert torch.equal(record[key].view(torch.int16), offline[i][key].view(torch.int16)), (i, key)
 
 
 def test_each_family_trains_online_on_smollm2_with_no_cache(tmp_path, capsys):
