@@ -1,8 +1,8 @@
 """The fault drills on a whole run (regenerate, cache, train, export on the tiny Qwen3): kill -9 at every stage's
-fault point in turn, kill -9 at random times, a disk that fills during the cache and the checkpoint writes, and
-corrupted files. Each faulted run must end, once rerun, with exactly the bytes of the uninterrupted run, or be refused
-naming the damaged file, with nothing else lost. `make drills` runs these with every other drill and prints the
-summary (conftest.drill_summary)."""
+fault point and a disk that fills during the cache and the checkpoint writes, in turn in one run folder; kill -9
+at random times; corrupted files. Each faulted run must end, once rerun, with exactly the bytes of the uninterrupted
+run, or be refused naming the damaged file, with nothing else lost. `make drills` runs these with every other drill
+and prints the summary (conftest.drill_summary)."""
 
 from __future__ import annotations
 
@@ -61,25 +61,46 @@ def clean(tiny_qwen3, prompt_file, tmp_path_factory):
     return {"out": out, "seconds": time.perf_counter() - start, "artefacts": artefacts(out)}
 
 
-def test_kill_at_every_fault_point_then_rerun_gives_the_same_bytes(clean, tiny_qwen3, prompt_file, tmp_path, drill):
+def test_every_fault_point_and_a_full_disk_then_the_rerun_gives_the_same_bytes(clean, tiny_qwen3, prompt_file,
+                                                                               tmp_path, drill):
+    """One run folder, faulted in pipeline order (each rerun gets past the last fault and meets the next): kill -9 at
+    every stage's fault point, and a disk that fills (RLIMIT_FSIZE) during the cache's shards and the first
+    checkpoint. A full disk fails the write naming the file and the room left, marks nothing done and publishes
+    nothing half-written. The last rerun ends with exactly the uninterrupted run's files."""
+    largest = {stage_dir: max(p.stat().st_size for p in (clean["out"] / stage_dir).rglob("*") if p.is_file())
+               for stage_dir in ("regen", "cache", "train/checkpoints")}
+    assert largest["regen"] < largest["cache"] < largest["train/checkpoints"], largest
     out = tmp_path / "run"
     args = args_for(tiny_qwen3, prompt_file, out)
-    # in pipeline order: each rerun gets past the last kill and dies at the next point
-    for point in ("regenerate:1", "cache:1", "train:3", "train-save:4", "export:0"):
-        killed = run_cli(args, {"DRAFTSMITH_KILL_AT": point})
-        assert killed.returncode == -signal.SIGKILL, f"{point}: {killed.stderr[-3000:]}"
-        drill("kill", f"kill -9 at {point}")
-        if point == "regenerate:1":
+    checkpoints = out / "train" / "checkpoints"
+    faults = [("kill", "regenerate:1"), ("disk-full", "regen"), ("kill", "cache:1"), ("disk-full", "cache"),
+              ("kill", "train:3"), ("kill", "train-save:4"), ("kill", "export:0")]
+    for kind, where in faults:
+        if kind == "kill":
+            done = run_cli(args, {"DRAFTSMITH_KILL_AT": where})
+            assert done.returncode == -signal.SIGKILL, f"{where}: {done.stderr[-3000:]}"
+            drill("kill", f"kill -9 at {where}")
+        else:  # every file of the stages before fits; the next stage's largest does not
+            done = run_cli(args, file_size_limit=largest[where] + 1)
+            assert done.returncode != 0 and "could not write" in done.stderr, done.stderr[-3000:]
+        if where == "regenerate:1":
             assert not (out / "regen" / "DONE.json").exists()
-        if point == "train-save:4":  # killed mid-save: `latest` still names the last complete checkpoint
-            checkpoints = out / "train" / "checkpoints"
-            assert (checkpoints / "latest").read_text().strip() == "step-0000002"
-            assert not (checkpoints / "step-0000004" / "trainer_state.pt").exists()
-        if point == "cache:1":  # a half-written cache is refused by its reader, not read
+        if where == "regen":
+            assert "shard-00000.bin" in done.stderr and "GiB free" in done.stderr, done.stderr[-3000:]
+            assert (out / "regen" / "DONE.json").is_file() and not (out / "cache" / "manifest.json").exists()
+            drill("disk-full", "disk full while writing cache shards")
+        if where == "cache:1":  # a half-written cache is refused by its reader, not read
             assert not (out / "cache" / "manifest.json").exists()
             recipe = load_recipe("dspark_qwen3_8b", ["target.name_or_path=" + str(tiny_qwen3)])
             with pytest.raises(Exception, match="re-run the cache stage"):
                 open_cache(recipe, out / "cache", 64, load_tokenizer(str(tiny_qwen3)))
+        if where == "cache":
+            assert "step-0000002" in done.stderr, done.stderr[-3000:]
+            assert (out / "cache" / "DONE.json").is_file() and not (checkpoints / "latest").exists()
+            drill("disk-full", "disk full while writing a checkpoint")
+        if where == "train-save:4":  # killed mid-save: `latest` still names the last complete checkpoint
+            assert (checkpoints / "latest").read_text().strip() == "step-0000002"
+            assert not (checkpoints / "step-0000004" / "trainer_state.pt").exists()
     assert not (out / "export" / "DONE.json").exists()
     resumed = run_cli(args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -101,35 +122,6 @@ def test_kill_at_random_times_then_rerun_gives_the_same_bytes(clean, tiny_qwen3,
             proc.send_signal(signal.SIGKILL)
             proc.wait()
         drill("random-kill", f"kill -9 after {delay:.1f} s (cycle {cycle})")
-    resumed = run_cli(args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert artefacts(out) == clean["artefacts"] and leftovers(out) == []
-
-
-def test_a_full_disk_fails_the_write_and_the_rerun_gives_the_same_bytes(clean, tiny_qwen3, prompt_file, tmp_path,
-                                                                       drill):
-    """RLIMIT_FSIZE below the cache's shards, then below the checkpoint's largest file: the stage writing fails with
-    the OS error, marks nothing done and publishes nothing half-written; with room again the rerun finishes."""
-    sizes = {stage_dir: max(p.stat().st_size for p in (clean["out"] / stage_dir).rglob("*") if p.is_file())
-             for stage_dir in ("regen", "cache", "train/checkpoints")}
-    assert sizes["regen"] < sizes["cache"] < sizes["train/checkpoints"], sizes
-    out = tmp_path / "run"
-    args = args_for(tiny_qwen3, prompt_file, out)
-
-    full = run_cli(args, file_size_limit=sizes["regen"] + 1)
-    assert full.returncode != 0, full.stderr[-3000:]
-    assert "could not write" in full.stderr and "shard-00000.bin" in full.stderr, full.stderr[-3000:]
-    assert (out / "regen" / "DONE.json").is_file() and not (out / "cache" / "DONE.json").exists()
-    assert not (out / "cache" / "manifest.json").exists()
-    drill("disk-full", "disk full while writing cache shards")
-
-    full = run_cli(args, file_size_limit=sizes["cache"] + 1)
-    assert full.returncode != 0, full.stderr[-3000:]
-    assert "could not write" in full.stderr and "step-0000002" in full.stderr, full.stderr[-3000:]
-    assert (out / "cache" / "DONE.json").is_file() and not (out / "train" / "DONE.json").exists()
-    assert not (out / "train" / "checkpoints" / "latest").exists()  # nothing names the half-written checkpoint
-    drill("disk-full", "disk full while writing a checkpoint")
-
     resumed = run_cli(args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert artefacts(out) == clean["artefacts"] and leftovers(out) == []

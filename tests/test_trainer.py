@@ -200,7 +200,8 @@ def test_eval_and_export_stages_run_again_when_their_inputs_change(prepared, tin
     from pipeline import main
 
     out = copy_run(prepared, "dspark", tmp_path / "run")
-    evals = {"eval.dataset": str(prompt_file), "eval.num_samples": 2, "eval.max_new_tokens": 6}
+    evals = {"eval.dataset": str(prompt_file), "eval.num_samples": 2, "eval.max_new_tokens": 6,
+             "eval.ngram_baseline": False}
 
     def run(**extra):
         assert main(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",
