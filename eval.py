@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval.live import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError, print_live_summary,  # noqa: E402
                        run_live_eval)
 from eval.run import print_summary, run_eval  # noqa: E402
-from data.sources import resolve_source  # noqa: E402
+from data.sources import source_problem  # noqa: E402
 from modeling.registry import TargetMismatchError, is_draft_dir  # noqa: E402
 
 
@@ -54,12 +54,9 @@ def argument_problems(args) -> list[str]:
     if args.draft != "ngram" and not args.draft.startswith("lm:") and not is_draft_dir(args.draft):
         problems.append(f"--draft {args.draft}: not a draft folder (config.json + model.safetensors of a DSpark, "
                         f"DFlash or Eagle3 draft, e.g. runs/<recipe>/train/final), nor `ngram` or `lm:<model>`")
-    try:
-        source = resolve_source(args.dataset, args.dataset_path)
-        if source.path and source.kind != "hub" and not Path(source.path).is_file():
-            problems.append(f"--dataset: file {source.path} not found")
-    except ValueError as err:
-        problems.append(f"--dataset: {err}")
+    dataset_problem = source_problem(args.dataset, args.dataset_path)
+    if dataset_problem:
+        problems.append(f"--dataset: {dataset_problem}")
     if args.target.startswith(("/", ".", "~")) and not Path(args.target).expanduser().is_dir():
         problems.append(f"--target {args.target}: no such model folder (a local HF checkpoint, a hub id like "
                         f"Qwen/Qwen3-8B, or smollm2-135m-instruct)")

@@ -30,7 +30,7 @@ from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from data.capture import open_cache, run_cache
 from data.online import OnlineRecords
 from data.regenerate import run_regenerate
-from data.sources import resolve_source
+from data.sources import source_problem
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
 from export.serving import SPS_FILENAME, STS_FILENAME
@@ -125,13 +125,9 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     problems = []
 
     def source(key: str, name: str, path: str | None) -> None:
-        try:
-            spec = resolve_source(name, path)
-        except ValueError as err:
-            problems.append(f"{key}: {err}")
-            return
-        if spec.path and spec.kind != "hub" and not Path(spec.path).is_file():
-            problems.append(f"{key}: file {spec.path} not found")
+        problem = source_problem(name, path)
+        if problem:
+            problems.append(f"{key}: {problem}")
 
     if "regenerate" in stages and not stage.is_done(out / "regen"):  # done: its prompt files are no longer read
         for i, src in enumerate(recipe.data.sources):

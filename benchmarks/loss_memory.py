@@ -98,7 +98,7 @@ def worker(cfg: dict) -> dict:
             self.markov_w2 = nn.Linear(rank, vocab, bias=False)
             self.conf_head = nn.Linear(hidden + rank, 1)
 
-        def draft_logits(self, h, prev_ids):
+        def draft_logits(self, h, prev_ids, vocab_ids=None):  # block_loss passes its vocab_ids (None here)
             return F.linear(self.proj(h), self.lm_head.weight) + self.markov_w2(self.markov_w1(prev_ids))
 
         def confidence_logits(self, h, prev_ids):

@@ -610,6 +610,18 @@ def resolve_source(name: str, path: str | None) -> SourceSpec:
     raise ValueError(f"unknown prompt source {name!r}.{hint} ({_valid_names_text()})")
 
 
+def source_problem(name: str, path: str | None = None) -> str | None:
+    """Why the prompt source `name` (with `path`) cannot be read, checked without reading it: an unknown name, or a
+    local file that is not there. None when it can be."""
+    try:
+        spec = resolve_source(name, path)
+    except ValueError as err:
+        return str(err)
+    if spec.path and spec.kind != "hub" and not Path(spec.path).is_file():
+        return f"file {spec.path} not found"
+    return None
+
+
 # --------------------------------------------------------------------------------------
 # Public loaders
 # --------------------------------------------------------------------------------------

@@ -269,6 +269,11 @@ class DSparkDecoderLayer(nn.Module):
 # Heads
 
 
+def output_rows(linear: nn.Linear, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear(x)`, or only its outputs `rows` (a bias-free head's columns: training over a reduced vocabulary)."""
+    return linear(x) if rows is None else F.linear(x, linear.weight[rows])
+
+
 class MarkovHead(nn.Module):
     """Rank-r bias on the logits of prediction k from the previous token x_{k-1}; e_k = W1[x_{k-1}].
 
@@ -310,7 +315,7 @@ class MarkovHead(nn.Module):
                 state = keep * state + (1 - keep) * torch.tanh(c)
                 outputs.append(torch.tanh(o))
             e = torch.stack(outputs, dim=-2)
-        return self.markov_w2(e) if vocab_ids is None else F.linear(e, self.markov_w2.weight[vocab_ids])
+        return output_rows(self.markov_w2, e, vocab_ids)
 
 
 class ConfidenceHead(nn.Module):
@@ -506,8 +511,7 @@ class DSparkModel(nn.Module):
                      vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[..., gamma, H], [..., gamma] -> [..., gamma, V]: lm_head(h_k) + Markov bias from x_{k-1}.
         vocab_ids: only those tokens' columns (training over a reduced vocabulary, loss.vocab_size)."""
-        logits = self.lm_head(draft_hidden) if vocab_ids is None else F.linear(draft_hidden,
-                                                                              self.lm_head.weight[vocab_ids])
+        logits = output_rows(self.lm_head, draft_hidden, vocab_ids)
         if self.markov_head is not None:
             logits = logits + self.markov_head(draft_hidden, prev_ids, vocab_ids)
         return logits

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from modeling.dspark import output_rows
+
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bytes of one fp32 [chunk, gamma, V] tensor (Eagle3: see eagle3_loss)
 
 
@@ -127,7 +129,7 @@ def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, c
     p_t = None
     if want_cstar or soft_ce_alpha or target_labels:
         with torch.no_grad():
-            head = model.lm_head(th) if vocab_ids is None else F.linear(th, model.lm_head.weight[vocab_ids])
+            head = output_rows(model.lm_head, th, vocab_ids)
             if target_labels:
                 labels = head.argmax(-1)
             if want_cstar or soft_ce_alpha:
@@ -135,8 +137,7 @@ def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, c
             del head
     # With neither CE nor L1 trained, p_draft only feeds the detached c*: no graph through the draft logits.
     with torch.set_grad_enabled(torch.is_grad_enabled() and bool(ce_alpha or l1_alpha or soft_ce_alpha)):
-        logits = _wide(model.draft_logits(h, prev_ids) if vocab_ids is None
-                       else model.draft_logits(h, prev_ids, vocab_ids))  # [c, gamma, V]
+        logits = _wide(model.draft_logits(h, prev_ids, vocab_ids))  # [c, gamma, V]
         logp = torch.log_softmax(logits, dim=-1)
         del logits
     nll = -logp.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
@@ -211,7 +212,7 @@ def block_loss(
     target_hidden [N, gamma, H], the target's final-norm states whose ``model.lm_head`` gives each prediction's
                   target distribution (no grad)
     labels, prev_ids [N, gamma] long; valid [N, gamma] bool, a contiguous valid prefix per anchor
-    model         ``draft_logits(h, prev_ids) -> [n, gamma, V]`` (Markov bias included),
+    model         ``draft_logits(h, prev_ids, vocab_ids) -> [n, gamma, V]`` (Markov bias included),
                   ``confidence_logits(h, prev_ids) -> [n, gamma]`` (called only when conf_alpha > 0), ``lm_head``
                   (frozen Linear H -> V)
     chunk_size    anchors per checkpointed chunk; default: the most whose fp32 [chunk, gamma, V] fits chunk_bytes
