@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from eval.live import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError, print_live_summary,  # noqa: E402
-                       run_live_eval)
+from core.server import LiveEvalError, ServerStartError  # noqa: E402
+from eval.live import DEFAULT_TOLERANCE, ENGINES, print_live_summary, run_live_eval  # noqa: E402
 from eval.run import print_summary, run_eval  # noqa: E402
 from data.sources import source_problem  # noqa: E402
 from modeling.registry import TargetMismatchError, is_draft_dir  # noqa: E402

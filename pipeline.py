@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from data.capture import open_cache, run_cache
 from data.online import OnlineRecords
 from data.regenerate import run_regenerate
 from data.sources import source_problem
+from core.server import default_engine_python
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
 from export.serving import SPS_FILENAME, STS_FILENAME
@@ -134,6 +136,11 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
             source(f"data.sources[{i}]", src.name, src.path)
     if "eval" in stages:
         source("eval.dataset", recipe.eval.dataset, None)
+    if "regenerate" in stages and recipe.regen.backend == "vllm" and not stage.is_done(out / "regen"):
+        python = recipe.regen.engine_python or default_engine_python("vllm")
+        if shutil.which(python) is None:
+            problems.append(f"regen.backend vllm: no python at {python!r} to run vLLM: build it with `make venv-vllm`, "
+                            f"or set regen.engine_python (or $DRAFTSMITH_VLLM_PYTHON) to a python with vllm")
     shape = target_shape(recipe.target.name_or_path) if {"regenerate", "cache", "train"} & set(stages) else None
     layers, vocab = (shape or {}).get("num_layers"), (shape or {}).get("vocab_size")
     bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]

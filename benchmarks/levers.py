@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from quality import (learning_curve, link_data, prepare_eval_data, run_pipeline, sets, source_sets,  # noqa: E402
-                     training_sources)
+from quality import (learning_curve, link_data, open_eval_cache, prepare_eval_data, run_pipeline, sets,  # noqa: E402
+                     source_sets, training_sources)
 
 
 def main() -> int:
@@ -63,12 +63,14 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pipeline.log"
     recipe = f"{args.family}_smollm2_135m"
-    source_labels = source_sets("source")
+    # the base arms' caches are raw whatever the default: the --encoding arms are measured against them
+    source_labels = source_sets("source") + sets(cache__encoding="raw")
 
     prepare_eval_data(out, args.eval_per_source, args.gsm8k, 128, args.nproc, log)
     sources = training_sources(args.gsm8k)
     data = {}
-    ways = [("regen", args.regen_prompts, [], "regenerate,cache")] if args.regen_prompts else []
+    raw = sets(cache__encoding="raw")
+    ways = [("regen", args.regen_prompts, raw, "regenerate,cache")] if args.regen_prompts else []
     ways.append(("source", args.source_prompts, source_labels, "regenerate,cache"))
     # the source records again, cached in another encoding (the cache stage pins their digest, not their folder)
     ways += [(f"source-{encoding}", args.source_prompts, source_labels + sets(cache__encoding=encoding), "cache")
@@ -83,13 +85,8 @@ def main() -> int:
                       "cache_bytes": sum(s["num_bytes"] for s in manifest["shards"])}
         print(f"[levers] {name} data: {data[name]}", flush=True)
 
-    from core.recipe import load_recipe
-    from data.capture import open_cache
-    from modeling.target import load_tokenizer, target_hidden_size
-
-    eval_cache = open_cache(load_recipe(recipe), out / "eval-data" / "cache", target_hidden_size(
-        "smollm2-135m-instruct"), load_tokenizer("smollm2-135m-instruct"))
-    arms = [("regen", "regen", [])] if args.regen_prompts else []
+    eval_cache = open_eval_cache(recipe, out / "eval-data")
+    arms = [("regen", "regen", raw)] if args.regen_prompts else []
     arms += [("source", "source", source_labels)]
     arms += [(name, "source", source_labels + extra) for name, extra in variants]
     arms += [(encoding, f"source-{encoding}", source_labels + sets(cache__encoding=encoding))

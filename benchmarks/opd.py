@@ -25,7 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.quality import FAMILIES, link_data, prepare_data, ratio, run_pipeline, sets  # noqa: E402
+from benchmarks.quality import (FAMILIES, link_data, open_eval_cache, prepare_data, ratio, run_pipeline,  # noqa: E402
+                                sets)
 
 
 def step_seconds(train_dir: Path) -> list[float]:
@@ -81,20 +82,16 @@ def main(argv=None) -> int:
         out, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log)
 
     from core.recipe import load_recipe
-    from data.capture import open_cache
     from eval.replay import replay_records
     from modeling.registry import load_draft_model
-    from modeling.target import load_tokenizer, target_hidden_size
     from train.opd import draft_gamma
 
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
-    hidden = target_hidden_size("smollm2-135m-instruct")
     extra = [arg for item in args.overrides for arg in ("--set", item)]
     results = {}
     for family in families:
         recipe_name = f"{family}_smollm2_135m"
         recipe = load_recipe(recipe_name)
-        eval_cache = open_cache(recipe, eval_run / "cache", hidden, tokenizer)
+        eval_cache = open_eval_cache(recipe_name, eval_run)
         eval_records = [eval_cache[i] for i in range(len(eval_cache))]
 
         def held_out(draft_dir: Path) -> float:

@@ -190,8 +190,24 @@ def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_n
     run_pipeline("dspark_smollm2_135m", eval_run, "regenerate,cache", nproc,
                  sets(data__sources=f"[{{name: '{eval_file}'}}]", data__num_prompts=num_eval, data__holdout_fraction=0.0,
                       data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
-                      regen__max_new_tokens=max_new_tokens), log)
+                      regen__max_new_tokens=max_new_tokens, cache__encoding=EVAL_CACHE_ENCODING), log)
     return eval_run, eval_file, eval_sources
+
+
+#: held-out tau is replayed from the target's own states, not from a compact copy of them (whatever the training
+#: cache's encoding: the arms that compare encodings must not change their yardstick)
+EVAL_CACHE_ENCODING = "raw"
+
+
+def open_eval_cache(recipe_name: str, eval_run: Path):
+    """The held-out prompts' cache (prepare_eval_data), read with `recipe_name`'s layers."""
+    from core.recipe import load_recipe
+    from data.capture import open_cache
+    from modeling.target import load_tokenizer, target_hidden_size
+
+    recipe = load_recipe(recipe_name, [f"cache.encoding={EVAL_CACHE_ENCODING}"])
+    return open_cache(recipe, eval_run / "cache", target_hidden_size(recipe.target.name_or_path),
+                      load_tokenizer(recipe.target.name_or_path))
 
 
 def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
@@ -247,13 +263,9 @@ def main() -> int:
 
     import torch
 
-    from core.recipe import load_recipe
-    from data.capture import open_cache
     from eval.run import run_eval
-    from modeling.target import load_target, load_tokenizer, target_hidden_size
+    from modeling.target import load_target
 
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
-    hidden = target_hidden_size("smollm2-135m-instruct")
     train_manifest = json.loads((data_run / "cache" / "manifest.json").read_text())
 
     # --- 3. each family, the same budget ------------------------------------------------------------------------------
@@ -273,7 +285,7 @@ def main() -> int:
                                extra_sets + sets(train__max_steps=steps, train__save_every=save_every,
                                                  train__keep_checkpoints=0), log)
         trained[family] = {"steps": steps, "train_s": train_s, "probe_s_per_step": per_step}
-        eval_cache = open_cache(load_recipe(recipe), eval_run / "cache", hidden, tokenizer)
+        eval_cache = open_eval_cache(recipe, eval_run)
         curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens)
         for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
             shutil.rmtree(ckpt)

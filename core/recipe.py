@@ -72,9 +72,11 @@ class DataConfig:
 
 @dataclass
 class RegenConfig:
-    #: hf = in-process batched generation; openai = any OpenAI-compatible server (SGLang, vLLM); source = keep the
-    #: source's own answers, generating nothing (train with loss.ce_labels: target: the target's labels on that text).
-    backend: Literal["hf", "openai", "source"] = "hf"
+    #: hf = in-process batched generation; vllm = a vLLM server this stage starts and stops itself (one per rank;
+    #: the token ids the HF backend would use; ~3x faster on CPU); openai = any OpenAI-compatible server already
+    #: running (SGLang, vLLM); source = keep the source's own answers, generating nothing (train with
+    #: loss.ce_labels: target: the target's labels on that text).
+    backend: Literal["hf", "vllm", "openai", "source"] = "hf"
     #: several URLs = data parallel over servers (openai backend).
     server_urls: list[str] = field(default_factory=list)
     #: model name sent to the server (default: the target's name_or_path).
@@ -91,13 +93,22 @@ class RegenConfig:
     #: tries per request (openai backend): HTTP 429, 5xx, refused connections and timeouts are tried again after a
     #: backoff (a Retry-After header is honoured, up to 30 s); what still fails is asked again by the next run.
     request_attempts: int = 3
+    #: hf backend: each = on a CPU, every prompt's prefill runs alone (a padded batch costs batch x its longest
+    #: prompt; the same greedy answers); padded = generate's own prefill of the left-padded batch (always on a GPU).
+    prefill: Literal["each", "padded"] = "each"
+    #: vllm backend: the python that runs vLLM (None: $DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm, built by
+    #: `make venv-vllm`), extra server flags, and how long its start may take.
+    engine_python: Optional[str] = None
+    server_args: list[str] = field(default_factory=list)
+    server_startup_s: float = 900.0
 
 
 @dataclass
 class CacheConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     #: how hidden states are stored: raw (the dtype's bytes) | fp8 (e4m3 with a power-of-two scale per token and
-    #: layer: H + 1 bytes a row against bf16's 2H; read back in `dtype`). See data/cache.py.
+    #: layer: H + 1 bytes a row, 0.501x bf16's 2H; read back in `dtype`). fp8 matched raw's held-out tau for DSpark
+    #: but cost Eagle3 memorised acceptance (README, "The hidden-state cache"): not the default. See data/cache.py.
     encoding: Literal["raw", "fp8"] = "raw"
     #: conversations per target forward.
     batch_size: int = 8
@@ -422,6 +433,7 @@ def _check_values(recipe: Recipe) -> None:
         "regen.max_concurrency": recipe.regen.max_concurrency,
         "regen.request_timeout_s": recipe.regen.request_timeout_s,
         "regen.request_attempts": recipe.regen.request_attempts,
+        "regen.server_startup_s": recipe.regen.server_startup_s,
         "draft.num_anchors": recipe.draft.num_anchors,
         "draft.ttt_length": recipe.draft.ttt_length,
         "eval.num_samples": recipe.eval.num_samples,

@@ -436,6 +436,8 @@ class TargetCache(torch.utils.data.Dataset):
             if a != b:
                 fmt = (lambda v: list(v)) if field == "layer_ids" else (lambda v: v)
                 diffs.append(f"  {field}: cache has {fmt(a)!r}, expected {fmt(b)!r}")
+        if have.encoding != expect.encoding:  # the one difference a recipe key alone settles
+            diffs.append(f"  (a recipe with --set cache.encoding={have.encoding} reads this cache as it is)")
         if diffs:
             raise CacheMismatchError(
                 f"the cache at {self.root} does not match this recipe:\n" + "\n".join(diffs) + "\n"

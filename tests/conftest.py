@@ -179,7 +179,7 @@ def overfit_drafts(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_python():
-    from eval.live import default_engine_python
+    from core.server import default_engine_python
 
     path = os.environ.get("DRAFTSMITH_VLLM_PYTHON") or default_engine_python("vllm")
     if not Path(path).is_file():

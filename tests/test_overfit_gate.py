@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from eval.live import tagged_processes
+from core.server_procs import tagged_processes
 
 from core.recipe import load_recipe
 from data.capture import open_cache

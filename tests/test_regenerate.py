@@ -275,6 +275,25 @@ def test_hf_backend_marks_an_answer_that_reached_max_new_tokens_as_truncated(tin
     assert ended.token_ids == cut.token_ids[: cut.token_ids.index(cut.token_ids[1]) + 1]
 
 
+def test_hf_backend_limits_each_answer_by_its_own_prompt_not_the_batchs_longest(tiny_qwen3, qwen3_tokenizer):
+    """data.max_length bounds prompt + answer per conversation: a short prompt batched with one near the limit still
+    gets regen.max_new_tokens (it used to get max_length minus the longest prompt, for every row)."""
+    from data.chat import render_prompt_ids
+    from data.regenerate import HFBackend
+    from modeling.target import load_target
+
+    recipe = load_recipe("dspark_qwen3_8b", ["regen.temperature=0", "regen.max_new_tokens=12"])
+    backend = HFBackend(load_target(str(tiny_qwen3)), qwen3_tokenizer, recipe.regen, max_length=64)
+    short = [{"role": "user", "content": "Count to ten."}]
+    long = [{"role": "user", "content": "one two three four five six seven eight nine ten " * 4}]
+    long_len = len(render_prompt_ids(qwen3_tokenizer, long, enable_thinking=False))
+    assert 64 - 12 < long_len < 64 - 2
+    alone = backend.generate([short], seed=0)[0]
+    together = backend.generate([short, long], seed=0)
+    assert [len(a.token_ids) for a in together] == [12, 64 - long_len]  # the random model never ends: both cut
+    assert together[0].token_ids == alone.token_ids and all(a.truncated for a in together)
+
+
 def test_a_truncated_answer_is_not_supervised_as_ended(qwen3_tokenizer):
     """The end-of-turn marker the template puts after a cut answer was never generated there: its loss mask is 0, and
     the rest of the mask is the normal one (an old record, without the key, reads as not truncated)."""
@@ -425,3 +444,53 @@ def test_a_prompt_file_edited_between_two_runs_is_refused(prompt_file, qwen3_tok
     assert _run(recipe, out, qwen3_tokenizer)["records"] > 0
     prompts.unlink()  # a finished folder is skipped without reading its prompts
     assert _run(recipe, out, qwen3_tokenizer) == json.loads((out / "DONE.json").read_text())
+
+
+# --- regen.backend: vllm (a real vLLM server this stage starts; `make venv-vllm`) ------------------------------------
+
+
+def test_vllm_backend_serves_the_target_itself_and_regenerates_the_hf_backends_answers(vllm_python, prompt_file,
+                                                                                       tmp_path):
+    """The stage starts a vLLM server for the real SmolLM2 target, sends each turn as the HF backend's token ids and
+    keeps the ids vLLM returns: the greedy answers equal the HF backend's token for token, over two turns; the server
+    and all its processes are gone when the stage ends, and its start-up time is in DONE.json."""
+    from core.server_procs import tagged_processes
+    from modeling.target import load_target, load_tokenizer
+
+    sets = [f"data.sources=[{{name: '{prompt_file}'}}]", "data.num_prompts=6", "data.max_length=256",
+            "regen.max_new_tokens=40", "regen.batch_size=3", "regen.max_concurrency=6",
+            f"regen.engine_python={vllm_python}"]
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    run_regenerate(load_recipe("dspark_smollm2_135m", sets), tmp_path / "hf", Dist(),
+                   lambda: load_target("smollm2-135m-instruct"), tokenizer)
+    before = set(tagged_processes())
+    done = _run(load_recipe("dspark_smollm2_135m", sets + ["regen.backend=vllm"]), tmp_path / "vllm", tokenizer)
+
+    def answers(folder):
+        return {r["id"]: (r["response_ids"], r["truncated"]) for r in regenerate.read_records(tmp_path / folder)}
+
+    hf, served = answers("hf"), answers("vllm")
+    assert len(hf) == 6 and served == hf
+    assert any(len(ids) == 2 for ids, _ in hf.values())  # a second turn replayed the first answer
+    assert done["server_startup_s"] > 0 and (tmp_path / "vllm" / "vllm-rank0.log").stat().st_size > 0
+    assert set(tagged_processes()) <= before  # nothing of the server is left
+
+
+def test_hf_backend_prefills_each_prompt_alone_on_cpu_with_generates_own_answers(monkeypatch):
+    """The CPU prefill (each prompt run alone, its cache left-padded) gives the same greedy SmolLM2 answers as
+    generate's own prefill of the padded batch, for prompts of very different lengths."""
+    from data.chat import build_messages
+    from modeling.target import load_target, load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    recipe = load_recipe("dspark_smollm2_135m", ["regen.max_new_tokens=12"])
+    backend = regenerate.HFBackend(load_target("smollm2-135m-instruct"), tokenizer, recipe.regen, 512)
+    questions = ["Hi!", "Name a color.", "Explain in detail, step by step, how a bicycle's gears let a rider climb a "
+                 "steep hill without getting tired, and why the chain needs oil. " * 3]
+    conversations = [build_messages([q], [], None) for q in questions]
+    cached = backend.generate(conversations, seed=0)
+    assert backend._prompt_cache([[1, 2, 3], [4, 5]], 3) is not None  # the path under test is taken
+    monkeypatch.setattr(regenerate.HFBackend, "_prompt_cache", lambda self, prompts, width: None)
+    padded = backend.generate(conversations, seed=0)
+    assert [a.token_ids for a in cached] == [a.token_ids for a in padded]
+    assert all(len(a.token_ids) >= 2 for a in cached)

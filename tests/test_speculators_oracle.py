@@ -186,7 +186,7 @@ print("RESULT " + json.dumps(out, default=str))
 def test_vllm_speculators_config_parses_every_export(tmp_path, target):
     """What vLLM 0.32 will run each export with: method, num_speculative_tokens = gamma, the HF layer ids back from
     its +1 numbering, the mask token, the layout and the (vanilla) Markov head."""
-    from eval.live import default_engine_python
+    from core.server import default_engine_python
 
     python = default_engine_python("vllm")
     if not Path(python).is_file():

@@ -1,7 +1,7 @@
 """The live server's processes, found through /proc (Linux): by the tag in their environment, and by the sockets they
 hold. Standard library only, because it also runs as a script: the watchdog LiveServer starts next to the server,
 
-    python eval/server_procs.py TAG
+    python core/server_procs.py TAG
 
 which blocks on its stdin (a pipe from the eval) and, once that closes, SIGKILLs every process carrying TAG. The pipe
 closes however the eval ends, kill -9 included, so the server's whole tree goes with it.
