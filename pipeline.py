@@ -28,11 +28,11 @@ from core import stage
 from core.dist import close_dist, init_dist
 from core.io import LockedError, atomic_write_text, lock_for_process, remove_stale_temps
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
+from core.server import default_engine_python
 from data.capture import open_cache, run_cache
 from data.online import OnlineRecords
 from data.regenerate import run_regenerate
 from data.sources import source_problem
-from core.server import default_engine_python
 from eval.run import print_summary, run_eval_stage
 from export.convert import run_export_stage
 from export.serving import SPS_FILENAME, STS_FILENAME

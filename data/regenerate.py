@@ -67,6 +67,14 @@ class Answer:
 # --- backends -----------------------------------------------------------------------------------------------------
 
 
+def fitting_prompt_ids(tokenizer, messages: list[dict], regen, max_length: int) -> list[int] | Answer:
+    """The ids the target is prompted with, or the too-long refusal when they leave no room below data.max_length."""
+    ids = render_prompt_ids(tokenizer, messages, enable_thinking=regen.enable_thinking)
+    if len(ids) >= max_length:
+        return Answer(error=f"prompt is {len(ids)} tokens, not below data.max_length={max_length}", too_long=True)
+    return ids
+
+
 class HFBackend:
     """Batched sampling with a transformers model, left-padded."""
 
@@ -77,10 +85,9 @@ class HFBackend:
         answers: list[Answer | None] = [None] * len(conversations)
         prompts, slots = [], []
         for i, messages in enumerate(conversations):
-            ids = render_prompt_ids(self.tokenizer, messages, enable_thinking=self.regen.enable_thinking)
-            if len(ids) >= self.max_length:
-                answers[i] = Answer(error=f"prompt is {len(ids)} tokens, not below data.max_length={self.max_length}",
-                                    too_long=True)
+            ids = fitting_prompt_ids(self.tokenizer, messages, self.regen, self.max_length)
+            if isinstance(ids, Answer):
+                answers[i] = ids
             else:
                 prompts.append(ids)
                 slots.append(i)
@@ -138,8 +145,8 @@ class HFBackend:
             self.model(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
             caches.append(cache)
         batch = DynamicCache(config=self.model.config)
+        pad = [(0, 0, width - len(ids), 0) for ids in prompts]  # on the left of the sequence axis
         for layer in range(len(caches[0].layers)):
-            pad = [(0, 0, width - len(ids), 0) for ids in prompts]  # on the left of the sequence axis
             keys = [torch.nn.functional.pad(c.layers[layer].keys, p) for c, p in zip(caches, pad)]
             values = [torch.nn.functional.pad(c.layers[layer].values, p) for c, p in zip(caches, pad)]
             batch.update(torch.cat(keys), torch.cat(values), layer)
@@ -219,8 +226,9 @@ class VLLMBackend(OpenAIBackend):
     regenerates ~3x faster than the HF backend (benchmarks/regenerate.py)."""
 
     def __init__(self, tokenizer, regen, max_length: int, target: str, dtype: str, dist: Dist, log_dir: Path):
-        self.max_length = max_length
         target_path = resolve_target(target)
+        super().__init__(tokenizer, regen, model_name=target_path)
+        self.max_length = max_length
         python = regen.engine_python or default_engine_python("vllm")
         on_gpu = dist.device.type == "cuda"
         dtype = str(target_dtype(dtype, dist.device)).removeprefix("torch.")  # the HF backend's
@@ -232,23 +240,21 @@ class VLLMBackend(OpenAIBackend):
                                    extra=("--generation-config", "vllm", *eager, *regen.server_args))
         self.server = LiveServer(argv, port=port, log_path=Path(log_dir) / f"vllm-rank{dist.rank}.log",
                                  env=_vllm_placement(dist), startup_timeout=regen.server_startup_s)
-        self.server.__enter__()
+        self.server.__enter__()  # the last step: nothing after it can fail and leave the server running
         self.startup_s = self.server.startup_s
-        super().__init__(tokenizer, regen, model_name=target_path)
         self.urls = [self.server.url]
 
     def generate(self, conversations: list[list[dict]], seed: int) -> list[Answer]:
         futures = []
         for i, messages in enumerate(conversations):
-            ids = render_prompt_ids(self.tokenizer, messages, enable_thinking=self.regen.enable_thinking)
-            if len(ids) >= self.max_length:
-                futures.append(Answer(error=f"prompt is {len(ids)} tokens, not below data.max_length="
-                                            f"{self.max_length}", too_long=True))
+            ids = fitting_prompt_ids(self.tokenizer, messages, self.regen, self.max_length)
+            if isinstance(ids, Answer):
+                futures.append(ids)
                 continue
             payload = {"model": self.model_name, "prompt": ids, "return_token_ids": True, "skip_special_tokens": True,
                        "max_tokens": min(self.regen.max_new_tokens, self.max_length - len(ids)),
                        **self._sampling(seed + i)}
-            futures.append(self.pool.submit(self._post, self.server.url, "/v1/completions", payload,
+            futures.append(self.pool.submit(self._post, self.urls[0], "/v1/completions", payload,
                                             self._ids_answer))
         return [f if isinstance(f, Answer) else f.result() for f in futures]
 
