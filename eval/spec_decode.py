@@ -41,7 +41,7 @@ from transformers import DynamicCache
 from modeling.dspark import ContextCache, DSparkModel
 from modeling.eagle3 import Eagle3Model
 from modeling.registry import load_draft_model
-from modeling.target import check_layer_ids, decoder_layers
+from modeling.target import TargetRunner, crop_cache, vocab_logits
 
 GREEDY_BELOW = 1e-5  # DeepSpec: temperatures below this mean greedy (one-hot distributions)
 
@@ -68,6 +68,21 @@ def pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -
         return int(logits.argmax()), None
     probs = softmax_t(logits, temperature)
     return sample(probs, generator), probs
+
+
+def argmax_with_low_rank_bias(base: torch.Tensor, w2: torch.Tensor, u: torch.Tensor, w2_norms: torch.Tensor) -> int:
+    """argmax(base + w2 @ u) for base [V], w2 [V, r], u [r], mostly without the [V, r] product (DSpark's Markov bias,
+    one per drafted token: 7 passes over W2 cost a third of a draft). |w2[v] . u| <= |w2[v]| |u| (w2_norms: the row
+    norms) bounds every token's bias, so only tokens whose base logit plus that bound reaches the exact score of
+    base's own argmax can win; they are scored exactly (usually one or two tokens)."""
+    slack = w2_norms * u.norm()
+    top = int(base.argmax())
+    floor = base[top] + w2[top] @ u
+    # the margin keeps a token whose rounded bound falls a hair under the floor in the race
+    candidates = torch.nonzero(base + slack >= floor - 1e-4 * (1 + floor.abs())).squeeze(1)
+    if candidates.numel() > base.numel() // 8:
+        return int((base + w2 @ u).argmax())
+    return int(candidates[(base[candidates] + w2[candidates] @ u).argmax()])
 
 
 class Proposal(NamedTuple):
@@ -129,6 +144,9 @@ class DSparkDrafter(Drafter):
         super().reset(tokens, target_hidden)
         self.hidden = target_hidden  # only grown in the recompute path
         self.context = ContextCache()
+        # per generation: the weights cannot change within one
+        markov = self.model.markov_head
+        self.w2_norms = None if markov is None else markov.markov_w2.weight.norm(dim=1)
         if self.use_cache:
             self.model.extend_context(self.context, target_hidden)
 
@@ -165,15 +183,20 @@ class DSparkDrafter(Drafter):
         # left to right; the rnn head carries a state over the whole drafted prefix, hence the prefix recomputation
         # there. lm_head(h_k) does not depend on the drafts: one pass over the vocabulary matrix for the whole block
         # (once per token, it cost more than the rest of the draft together). DFlash has no head: lm_head alone.
-        rnn = model.markov_head is not None and model.config.markov_head_type == "rnn"
-        base = model.lm_head(h)
+        markov = model.markov_head
+        rnn = markov is not None and markov.head_type == "rnn"
+        base = vocab_logits(h, model.lm_head.weight)
         tokens, probs, prev = [], [], [self.tokens[-1]]
         for k in range(h.shape[0]):
-            logits = base[k]
-            if model.markov_head is not None:
+            if markov is None:
+                token, p = pick(base[k], temperature, generator)
+            else:
                 start = 0 if rnn else k
-                logits = logits + model.markov_head(h[start: k + 1], torch.tensor(prev[start:], device=device))[-1]
-            token, p = pick(logits, temperature, generator)
+                u = markov.features(h[start: k + 1], torch.tensor(prev[start:], device=device))[-1]
+                if is_greedy(temperature):
+                    token, p = argmax_with_low_rank_bias(base[k], markov.markov_w2.weight, u, self.w2_norms), None
+                else:
+                    token, p = pick(base[k] + markov.markov_w2(u), temperature, generator)
             tokens.append(token)
             probs.append(p)
             prev.append(token)
@@ -362,65 +385,6 @@ def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None, any
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The target side
-
-
-def crop_cache(cache: DynamicCache, length: int) -> None:
-    # transformers 5 deprecates crop(positive absolute length); a negative count removes tokens in every version.
-    remove = cache.get_seq_length() - length
-    if remove > 0:
-        cache.crop(-remove)
-
-
-class TargetRunner:
-    """The target with a KV cache; each `forward` also returns the chosen layers' outputs (forward hooks, the same
-    residual-stream convention as modeling.target.capture_hidden_states), concatenated in `layer_ids` order."""
-
-    def __init__(self, model, layer_ids=()):
-        self.model, self.layer_ids = model, list(layer_ids)
-        check_layer_ids(model, self.layer_ids)
-        self.device = _device(model)
-        self.cache = DynamicCache()
-        self.captured: dict[int, torch.Tensor] = {}
-        layers = decoder_layers(model)
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
-        self.width = len(self.layer_ids) * model.config.get_text_config().hidden_size
-
-    def _hook(self, index):
-        def save(_module, _inputs, output):
-            self.captured[index] = output[0] if isinstance(output, tuple) else output
-        return save
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def forward(self, ids: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Run `ids` after the cached tokens: (logits [n, V], hidden [n, K*H] or None without layer_ids)."""
-        if not ids:
-            empty = torch.zeros(0, self.width, device=self.device, dtype=next(self.model.parameters()).dtype)
-            return None, empty if self.layer_ids else None
-        out = self.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
-                         use_cache=True)
-        hidden = torch.cat([self.captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else None
-        self.captured.clear()
-        return out.logits[0], hidden
-
-    def crop(self, length: int) -> None:
-        crop_cache(self.cache, length)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # Acceptance
 
 
@@ -529,14 +493,14 @@ def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | N
         return result
     with TargetRunner(target, layer_ids) as runner:
         if first_token_from_prefill:
-            logits, hidden = runner.forward(prompt)
+            logits, hidden = runner.forward(prompt, logits="last")
             first, _ = pick(logits[-1], temperature, generator)
             tokens = prompt + [first]
             done = _emit(result.ids, [first], max_new_tokens, eos)
         else:
             # The last prompt token is the first pending token: the first round drafts the first output token, with
             # the same "context < anchor" view as every later round.
-            _, hidden = runner.forward(prompt[:-1])
+            _, hidden = runner.forward(prompt[:-1], logits="none")
             tokens, done = prompt, False
         result.prefill_s = sync_clock(device) - start
         drafter.reset(tokens, hidden)
@@ -582,7 +546,8 @@ def target_generate(target, prompt_ids, max_new_tokens: int, temperature: float 
     result = GenerationResult([])
     start = sync_clock(device)
     with TargetRunner(target) as runner:
-        runner.forward(prompt[:-1])  # same cache layout as speculative_generate: the last token is fed per step
+        # same cache layout as speculative_generate: the last prompt token is fed by the first step
+        runner.forward(prompt[:-1], logits="none")
         result.prefill_s = sync_clock(device) - start
         token = prompt[-1]
         while len(result.ids) < max_new_tokens:

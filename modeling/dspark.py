@@ -303,6 +303,10 @@ class MarkovHead(nn.Module):
 
     def forward(self, h: torch.Tensor, prev_ids: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[..., gamma, H], [..., gamma] -> bias [..., gamma, V] (or [..., gamma, len(vocab_ids)]: those rows only)."""
+        return output_rows(self.markov_w2, self.features(h, prev_ids), vocab_ids)
+
+    def features(self, h: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """[..., gamma, H], [..., gamma] -> [..., gamma, r]: what W2 maps to the bias (every head type ends in W2)."""
         e = self.markov_w1(prev_ids)
         if self.head_type == "gated":
             e = torch.sigmoid(self.gate_proj(torch.cat([h, e], dim=-1))) * e
@@ -315,7 +319,7 @@ class MarkovHead(nn.Module):
                 state = keep * state + (1 - keep) * torch.tanh(c)
                 outputs.append(torch.tanh(o))
             e = torch.stack(outputs, dim=-2)
-        return output_rows(self.markov_w2, e, vocab_ids)
+        return e
 
 
 class ConfidenceHead(nn.Module):

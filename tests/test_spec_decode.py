@@ -22,7 +22,7 @@ from eval.spec_decode import (
     NgramDrafter,
     OracleDrafter,
     Proposal,
-    TargetRunner,
+    argmax_with_low_rank_bias,
     load_draft,
     speculative_generate,
     target_generate,
@@ -31,7 +31,7 @@ from eval.spec_decode import (
 from export.convert import export_draft
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping
-from modeling.target import capture_hidden_states, weights_fingerprint
+from modeling.target import TargetRunner, capture_hidden_states, vocab_logits, weights_fingerprint
 from modeling.registry import TARGET_WEIGHTS_KEY, TargetMismatchError, save_draft
 
 V, H, LAYER_IDS, GAMMA = 300, 64, [0, 1, 2], 4
@@ -238,6 +238,43 @@ def test_kv_cache_rollback(target):
         after, _ = runner.forward([9])
     fresh = target(torch.tensor([prompt + [1, 9]])).logits[0, -1]
     torch.testing.assert_close(after[-1], fresh)
+
+
+def test_runner_logits_are_the_models_on_the_rows_asked_for(target):
+    prompt = PROMPTS[0]
+    full = target(torch.tensor([prompt])).logits[0]
+    for rows, expected in (("all", full), ("last", full[-1:])):
+        with TargetRunner(target, LAYER_IDS) as runner:
+            logits, hidden = runner.forward(prompt, logits=rows)
+        torch.testing.assert_close(logits, expected)
+        assert hidden.shape == (len(prompt), len(LAYER_IDS) * H)
+    with TargetRunner(target, LAYER_IDS) as runner:
+        logits, hidden = runner.forward(prompt, logits="none")
+        assert logits is None and runner.length == len(prompt)
+        after, _ = runner.forward([5, 6])  # the cache a logit-free prefill leaves serves the next forward
+    torch.testing.assert_close(after, target(torch.tensor([prompt + [5, 6]])).logits[0, -2:])
+
+
+@pytest.mark.parametrize("bias_scale", [0.01, 1.0, 30.0])
+def test_argmax_with_low_rank_bias_is_the_full_argmax(bias_scale):
+    """Small biases (a pruned race), biases as large as the logits, and biases that swamp them (the full product)."""
+    generator = torch.Generator().manual_seed(int(bias_scale * 100))
+    w2 = torch.randn(3000, 16, generator=generator) * bias_scale
+    norms = w2.norm(dim=1)
+    for _ in range(50):
+        base, u = torch.randn(3000, generator=generator) * 3, torch.randn(16, generator=generator)
+        assert argmax_with_low_rank_bias(base, w2, u, norms) == int((base + w2 @ u).argmax())
+    base = torch.zeros(3000)  # a tie everywhere: the first index wins, as with argmax
+    assert argmax_with_low_rank_bias(base, w2 * 0, torch.ones(16), norms * 0) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 40])
+def test_vocab_logits_is_the_linear_head(rows):
+    generator = torch.Generator().manual_seed(rows)
+    weight, hidden = torch.randn(5000, 64, generator=generator), torch.randn(rows, 64, generator=generator)
+    logits = vocab_logits(hidden, weight)
+    torch.testing.assert_close(logits, torch.nn.functional.linear(hidden, weight))
+    assert logits.argmax(-1).tolist() == (hidden @ weight.T).argmax(-1).tolist()
 
 
 # --- drafter internals ---------------------------------------------------------------------------------------------
