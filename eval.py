@@ -19,14 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from core.server import LiveEvalError, ServerStartError  # noqa: E402
-from eval.live import DEFAULT_TOLERANCE, ENGINES, print_live_summary, run_live_eval  # noqa: E402
-from eval.run import print_summary, run_eval  # noqa: E402
+from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
 from data.sources import source_problem  # noqa: E402
-from modeling.registry import TargetMismatchError, is_draft_dir  # noqa: E402
+
+# eval/, modeling/ (torch, transformers: ~12 s to import on a small machine) are imported where they run, so that
+# --help and a bad argument answer at once.
 
 
 def _live(args) -> int:
+    from eval.live import print_live_summary, run_live_eval
+
     if args.temperature > 0:
         raise SystemExit("--live compares greedy decoding only: drop --temperature")
     try:
@@ -46,6 +48,8 @@ def _live(args) -> int:
 
 def argument_problems(args) -> list[str]:
     """What would otherwise fail only after the target is loaded, or silently evaluate nothing: checked first."""
+    from modeling.registry import is_draft_dir
+
     problems = [f"{flag} must be > 0, got {value}" for flag, value in
                 (("--num-samples", args.num_samples), ("--max-new-tokens", args.max_new_tokens),
                  ("--block-size", args.block_size)) if value is not None and value <= 0]
@@ -104,6 +108,9 @@ def main(argv=None) -> int:
         parser.error("\n  ".join(problems))  # usage, the problems, exit code 2: before anything is loaded or written
     if args.live:
         return _live(args)
+    from eval.run import print_summary, run_eval
+    from modeling.registry import TargetMismatchError
+
     try:
         report = run_eval(draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
                           num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,

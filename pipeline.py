@@ -25,20 +25,13 @@ from pathlib import Path
 import yaml
 
 from core import stage
-from core.dist import close_dist, init_dist
 from core.io import LockedError, atomic_write_text, lock_for_process, remove_stale_temps
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from core.server import default_engine_python
-from data.capture import open_cache, run_cache
-from data.online import OnlineRecords
-from data.regenerate import run_regenerate
 from data.sources import source_problem
-from eval.run import print_summary, run_eval_stage
-from export.convert import run_export_stage
-from export.serving import SPS_FILENAME, STS_FILENAME
-from modeling.target import load_target, load_tokenizer, target_hidden_size, target_shape
-from train.opd import run_opd
-from train.trainer import run_train
+
+# The stages' modules (torch, transformers: ~12 s to import on a small machine) are imported where they are first
+# needed, so that --help, --list-recipes and a bad recipe, stage or input answer within a second.
 
 STAGES = ("regenerate", "cache", "train", "opd", "eval", "export")
 
@@ -96,6 +89,8 @@ def main(argv=None) -> int:
         stale = remove_stale_temps(out)  # the lock is ours: no other writer's temporaries are in there
         if stale:
             print(f"[draftsmith] removed {len(stale)} temporary file(s) an interrupted run left in {out}", flush=True)
+    from core.dist import close_dist, init_dist
+
     dist = init_dist()
     try:
         if dist.is_main:
@@ -111,6 +106,10 @@ def main(argv=None) -> int:
 def training_records(recipe, out: Path, tokenizer, target):
     """What train and opd read: the cache stage's cache, or the regenerated records with the target computing the
     hidden states per step (train.hidden_states online)."""
+    from data.capture import open_cache
+    from data.online import OnlineRecords
+    from modeling.target import target_hidden_size
+
     if recipe.train.hidden_states == "online":
         return OnlineRecords(recipe, out / "regen", tokenizer, target)
     return open_cache(recipe, out / "cache", target_hidden_size(recipe.target.name_or_path), tokenizer)
@@ -124,6 +123,8 @@ def final_draft(recipe, out: Path) -> Path:
 def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[str]:
     """What the recipe schema cannot see and a stage would find only hours later (an eval set named wrong is found
     after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
+    from modeling.target import target_shape
+
     problems = []
 
     def source(key: str, name: str, path: str | None) -> None:
@@ -162,6 +163,15 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
 
 
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
+    from data.capture import run_cache
+    from data.regenerate import run_regenerate
+    from eval.run import print_summary, run_eval_stage
+    from export.convert import run_export_stage
+    from export.serving import SPS_FILENAME, STS_FILENAME
+    from modeling.target import load_target, load_tokenizer
+    from train.opd import run_opd
+    from train.trainer import run_train
+
     tokenizer = load_tokenizer(recipe.target.name_or_path)
     model = None
 

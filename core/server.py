@@ -29,6 +29,12 @@ from pathlib import Path
 from core.server_procs import TAG_VAR, kill_tagged, port_held_by, tagged_processes
 
 LOG_TAIL_LINES = 40
+# The engines and the speculative algorithms DraftSmith serves drafts with, and the live check's default
+# |tau_live - tau_offline| (eval/live.py's tolerance_note says why it is enough): here, with no heavy import, so that
+# the command lines build their --help in a blink.
+ENGINES = ("sglang", "vllm")
+ALGORITHMS = ("eagle3", "dflash", "dspark")
+DEFAULT_TOLERANCE = 0.02
 
 
 class ServerStartError(RuntimeError):

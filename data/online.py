@@ -43,8 +43,9 @@ class OnlineRecords:
         self.spec = cache_spec(recipe, target_hidden_size(recipe.target.name_or_path), tokenizer)
         self.batch_size = recipe.cache.batch_size
         # The manifest keys the Trainer and the families read: the data's identity (the train stage pins it, so a
-        # resume with another encoding is refused), Eagle3's token counts.
-        identity = f"online:{records_sha256}" + ("" if self.spec.encoding == "raw" else f":{self.spec.encoding}")
+        # resume that would round or encode the states otherwise is refused), Eagle3's token counts.
+        identity = (f"online:{records_sha256}" + ("" if self.spec.encoding == "raw" else f":{self.spec.encoding}")
+                    + ("" if recipe.cache.dtype == "bfloat16" else f":{recipe.cache.dtype}"))
         self.manifest = {"index_sha256": identity, "num_records": len(self.rows),
                          "num_tokens": sum(len(r["input_ids"]) for r in self.rows),
                          "meta": {"regen_records_sha256": records_sha256, "dropped": dropped,

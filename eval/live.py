@@ -32,17 +32,15 @@ from pathlib import Path
 import torch
 
 from core.io import atomic_write_json, atomic_write_text
-from core.server import LiveEvalError, LiveServer, ServerStartError, default_engine_python, free_port
+from core.server import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, LiveServer, ServerStartError,
+                         default_engine_python, free_port)
 from data.prompts import eval_prompts
 from eval.run import acceptance_metrics, first_turn_ids
 from eval.spec_decode import load_draft, speculative_generate
 from export.convert import export_draft
-from export.serving import ENGINES, detect_algorithm, sglang_command, sglang_env, sglang_serving_files, vllm_command
+from export.serving import detect_algorithm, sglang_command, sglang_env, sglang_serving_files, vllm_command
 from modeling.registry import read_config
 from modeling.target import load_target, load_tokenizer, resolve_target
-
-# Default |tau_live - tau_offline| allowed; see tolerance_note() for why this is enough and not more.
-DEFAULT_TOLERANCE = 0.02
 
 
 # ---------------------------------------------------------------------------------------------------------------------

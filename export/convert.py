@@ -31,8 +31,8 @@ from safetensors.torch import load_file, save_file
 from core import stage
 from core.dist import fault_point
 from core.io import publish_dir, sha256_file
-from export.serving import (ALGORITHMS, ENGINES, SPS_FILENAME, STS_FILENAME, SpsTable, detect_algorithm, load_sts,
-                            serve_command)
+from core.server import ALGORITHMS, ENGINES
+from export.serving import SPS_FILENAME, STS_FILENAME, SpsTable, detect_algorithm, load_sts, serve_command
 from modeling.registry import CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config
 from modeling.target import resolve_target
 

@@ -15,8 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.io import LockedError, is_temporary, lock_for_process  # noqa: E402
-from export.convert import export_draft  # noqa: E402
-from export.serving import ALGORITHMS, ENGINES, serve_command  # noqa: E402
+from core.server import ALGORITHMS, ENGINES  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verifier", default=None, help="target model id/path recorded in vLLM's speculators_config")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
+    from export.convert import export_draft  # torch and the models: after --help and argument errors
+    from export.serving import serve_command
+
     try:
         # beside --out, not in it: the export replaces the whole folder
         lock_for_process(args.out.parent / f".{args.out.name}.lock", f"--out {args.out}")

@@ -22,8 +22,6 @@ from core.io import atomic_write_json, read_json
 from core.server import vllm_server_command
 from modeling.registry import read_config
 
-ENGINES = ("sglang", "vllm")
-ALGORITHMS = ("eagle3", "dflash", "dspark")
 SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "dflash": "DFLASH", "dspark": "DSPARK"}
 STS_FILENAME = "sts.json"
 SPS_FILENAME = "sps_table.json"

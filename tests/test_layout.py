@@ -3,7 +3,9 @@
     core/ (plumbing), modeling/  <  data/  <  train/  <  export/  <  eval/  <  the driver and the scripts
 
 No import from a lower layer to a higher one, no import loop, no project import hidden inside a function, nobody
-imports a script, and no file over ~600 lines without a reason written at its top.
+imports a script, and no file over ~600 lines without a reason written at its top. The scripts (the driver and the
+command lines) may import inside a function: nothing sits above them for such an import to hide, and deferring torch
+and transformers to where the work starts lets --help and a bad argument answer at once.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def test_imports_run_one_way(graph):
 def test_no_project_import_hidden_in_a_function(graph):
     _, edges = graph
     hidden = [f"{src} -> {dst} (line {line})" for src, targets in edges.items() for dst, line, nested in targets
-              if nested]
+              if nested and src not in SCRIPTS]
     assert hidden == [], "function-level project imports:\n" + "\n".join(hidden)
 
 

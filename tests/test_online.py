@@ -43,11 +43,7 @@ def test_online_run_equals_offline_run_and_resumes_exactly(tiny_qwen3, prompt_fi
     assert all(row["hidden_s"] > 0 for row in metrics(online))
 
 
-@pytest.mark.parametrize("encoding", ["raw", "fp8"])
-def test_online_states_are_what_an_offline_run_reads_back(tiny_qwen3, tmp_path, encoding):
-    """Bit for bit, cache.dtype's rounding and cache.encoding's round trip included: the run above, without training."""
-    recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", f"cache.encoding={encoding}",
-                                             "cache.batch_size=1", "data.min_loss_tokens=1"])
+def three_records(tmp_path):
     regen = tmp_path / "regen"
     regen.mkdir()
     conversations = [[{"role": "user", "content": f"What is {i} + {i}?"},
@@ -55,6 +51,27 @@ def test_online_states_are_what_an_offline_run_reads_back(tiny_qwen3, tmp_path, 
     (regen / "records.jsonl").write_text("".join(json.dumps({"id": str(i), "conversations": conversation}) + "\n"
                                                  for i, conversation in enumerate(conversations)))
     stage.mark_done(regen, {})
+    return regen
+
+
+def test_online_identity_pins_the_states_dtype_and_encoding(tiny_qwen3, tmp_path):
+    """The train stage pins its data's identity: resuming an online run whose states would be rounded (cache.dtype)
+    or encoded (cache.encoding) otherwise is refused as a changed setting, as another cache is offline."""
+    regen = three_records(tmp_path)
+    model, tokenizer = load_target(str(tiny_qwen3)), load_tokenizer(str(tiny_qwen3))
+    identities = set()
+    for sets in ([], ["cache.dtype=float32"], ["cache.dtype=float16"], ["cache.encoding=fp8"]):
+        recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", "data.min_loss_tokens=1", *sets])
+        identities.add(OnlineRecords(recipe, regen, tokenizer, lambda: model).manifest["index_sha256"])
+    assert len(identities) == 4
+
+
+@pytest.mark.parametrize("encoding", ["raw", "fp8"])
+def test_online_states_are_what_an_offline_run_reads_back(tiny_qwen3, tmp_path, encoding):
+    """Bit for bit, cache.dtype's rounding and cache.encoding's round trip included: the run above, without training."""
+    recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", f"cache.encoding={encoding}",
+                                             "cache.batch_size=1", "data.min_loss_tokens=1"])
+    regen = three_records(tmp_path)
     model, tokenizer = load_target(str(tiny_qwen3)), load_tokenizer(str(tiny_qwen3))
     run_cache(recipe, regen, tmp_path / "cache", Dist(), lambda: model, tokenizer)
     offline = open_cache(recipe, tmp_path / "cache", model.config.hidden_size, tokenizer)

@@ -43,7 +43,7 @@ def test_qwen3_recipes_run_both_stages_on_a_tiny_qwen3(name, tiny_qwen3, prompt_
 
 
 def test_multi_turn_replay_uses_own_answers(tiny_qwen3, prompt_file, tmp_path, monkeypatch):
-    import pipeline
+    import modeling.target
 
     args = ["--recipe", "dspark_qwen3_8b", "--stages", "regenerate"] + tiny_overrides(
         tiny_qwen3, prompt_file, **{"regen.temperature": 0})
@@ -60,7 +60,7 @@ def test_multi_turn_replay_uses_own_answers(tiny_qwen3, prompt_file, tmp_path, m
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(said_first)
         return tokenizer
 
-    monkeypatch.setattr(pipeline, "load_tokenizer", ending_tokenizer)
+    monkeypatch.setattr(modeling.target, "load_tokenizer", ending_tokenizer)  # what run_stages imports
     out = tmp_path / "run"
     assert main(args + ["--out", str(out)]) == 0
     records = [json.loads(line) for line in (out / "regen" / "records.jsonl").read_text().splitlines()]
