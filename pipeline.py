@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import yaml
 from core import stage
 from core.io import LockedError, atomic_write_text, lock_for_process, remove_stale_temps
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
-from core.server import default_engine_python
+from core.server import engine_python_problem
 from data.sources import source_problem
 
 # The stages' modules (torch, transformers: ~12 s to import on a small machine) are imported where they are first
@@ -138,10 +137,10 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     if "eval" in stages:
         source("eval.dataset", recipe.eval.dataset, None)
     if "regenerate" in stages and recipe.regen.backend == "vllm" and not stage.is_done(out / "regen"):
-        python = recipe.regen.engine_python or default_engine_python("vllm")
-        if shutil.which(python) is None:
-            problems.append(f"regen.backend vllm: no python at {python!r} to run vLLM: build it with `make venv-vllm`, "
-                            f"or set regen.engine_python (or $DRAFTSMITH_VLLM_PYTHON) to a python with vllm")
+        problem = engine_python_problem("vllm", recipe.regen.engine_python,
+                                        "regen.engine_python (or $DRAFTSMITH_VLLM_PYTHON) to a python with vllm")
+        if problem:
+            problems.append(f"regen.backend vllm: {problem}")
     shape = target_shape(recipe.target.name_or_path) if {"regenerate", "cache", "train"} & set(stages) else None
     layers, vocab = (shape or {}).get("num_layers"), (shape or {}).get("vocab_size")
     bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]

@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,6 +60,16 @@ def default_engine_python(engine: str) -> str:
         local = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
         return str(local) if local.is_file() else "python"
     return sys.executable
+
+
+def engine_python_problem(engine: str, python: str | None, setting: str) -> str | None:
+    """None when `python` (None: `default_engine_python(engine)`) can be run; else what is missing and how to fix it,
+    naming the `setting` (a flag or recipe key) that chooses it. Checked before any work that would need the engine."""
+    python = python or default_engine_python(engine)
+    if shutil.which(python) is not None:
+        return None
+    hint = "build it with `make venv-vllm`, or " if engine == "vllm" else "install sglang there, or "
+    return f"no python at {python!r} to run {engine}: {hint}set {setting}"
 
 
 def free_port() -> int:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ import torch
 
 from core.io import atomic_write_json, atomic_write_text
 from core.server import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, LiveServer, ServerStartError,
-                         default_engine_python, free_port)
+                         default_engine_python, engine_python_problem, free_port)
 from data.prompts import eval_prompts
 from eval.run import acceptance_metrics, first_turn_ids
 from eval.spec_decode import load_draft, speculative_generate
@@ -188,10 +187,10 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     draft_dir = Path(draft)
     if not (draft_dir / "config.json").is_file():
         raise ValueError(f"--live needs a trained draft folder (config.json + model.safetensors); got {draft!r}")
+    problem = engine_python_problem(engine, engine_python, "--engine-python")
+    if problem:  # before minutes of offline decoding
+        raise ServerStartError(problem)
     python = engine_python or default_engine_python(engine)
-    if shutil.which(python) is None:  # before minutes of offline decoding
-        hint = "build it with `make venv-vllm`, or " if engine == "vllm" else "install sglang there, or "
-        raise ServerStartError(f"no python at {python!r} to run {engine}: {hint}pass --engine-python")
     algorithm = detect_algorithm(read_config(draft_dir))
     target_path = resolve_target(target_name)
 
