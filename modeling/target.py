@@ -150,9 +150,13 @@ def weights_fingerprint(model, samples_per_tensor: int = 4096) -> str:
     return digest.hexdigest()[:16]
 
 
+def backbone(model) -> torch.nn.Module:
+    """The decoder stack under a causal LM's head (`.model`), whose output is the final-norm state."""
+    return getattr(model, "model", model)
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
-    backbone = getattr(model, "model", model)
-    layers = getattr(backbone, "layers", None)
+    layers = getattr(backbone(model), "layers", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no `.model.layers`: only decoder-only HF models are supported")
     return layers
@@ -171,7 +175,7 @@ def init_fc_and_norm(fc: torch.nn.Linear, norm: torch.nn.Module, target_model, f
     elif fc_mode != "random":
         raise ValueError(f"init fc must be 'random' or 'last', got {fc_mode!r}")
     if norm_mode == "target":
-        norm.weight.copy_(getattr(target_model, "model", target_model).norm.weight)
+        norm.weight.copy_(backbone(target_model).norm.weight)
     elif norm_mode != "ones":
         raise ValueError(f"init norm must be 'ones' or 'target', got {norm_mode!r}")
 
@@ -196,6 +200,20 @@ def check_layer_ids(model, layer_ids: list[int]) -> None:
         )
 
 
+def hook_layer_outputs(model, layer_ids: list[int], captured: dict) -> list:
+    """Forward hooks that put decoder layer i's output (the residual stream before the final norm) in captured[i] on
+    every forward; returns their handles, for `remove()`."""
+
+    def hook(index):
+        def save(_module, _inputs, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return save
+
+    layers = decoder_layers(model)
+    return [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+
+
 @torch.inference_mode()
 def capture_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int]):
     """One target forward; returns (hidden_states [B, T, K*H] of the chosen layers, last_hidden_state [B, T, H]).
@@ -204,19 +222,10 @@ def capture_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.
     `last_hidden_state` is the backbone output after the final norm, so target logits are `lm_head(last_hidden_state)`.
     """
     check_layer_ids(model, layer_ids)
-    layers = decoder_layers(model)
     captured: dict[int, torch.Tensor] = {}
-
-    def hook(index):
-        def save(_module, _inputs, output):
-            captured[index] = output[0] if isinstance(output, tuple) else output
-
-        return save
-
-    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    handles = hook_layer_outputs(model, layer_ids, captured)
     try:
-        backbone = getattr(model, "model", model)
-        out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        out = backbone(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -246,17 +255,11 @@ class TargetRunner:
         self.device = next(model.parameters()).device
         # The backbone and the head apart (logits = head(final-norm state), as capture_hidden_states reads them): the
         # head runs as vocab_logits, and only on the rows a caller reads.
-        self.backbone, self.head = getattr(model, "model", model), model.get_output_embeddings()
+        self.backbone, self.head = backbone(model), model.get_output_embeddings()
         self.cache = DynamicCache()
         self.captured: dict[int, torch.Tensor] = {}
-        layers = decoder_layers(model)
-        self.handles = [layers[i].register_forward_hook(self._hook(i)) for i in self.layer_ids]
+        self.handles = hook_layer_outputs(model, self.layer_ids, self.captured)
         self.width = len(self.layer_ids) * model.config.get_text_config().hidden_size
-
-    def _hook(self, index):
-        def save(_module, _inputs, output):
-            self.captured[index] = output[0] if isinstance(output, tuple) else output
-        return save
 
     def close(self) -> None:
         for handle in self.handles:
