@@ -64,12 +64,12 @@ def main() -> int:
     log = out / "pipeline.log"
     recipe = f"{args.family}_smollm2_135m"
     # the base arms' caches are raw whatever the default: the --encoding arms are measured against them
-    source_labels = source_sets("source") + sets(cache__encoding="raw")
+    raw = sets(cache__encoding="raw")
+    source_labels = source_sets("source") + raw
 
     prepare_eval_data(out, args.eval_per_source, args.gsm8k, 128, args.nproc, log)
     sources = training_sources(args.gsm8k)
     data = {}
-    raw = sets(cache__encoding="raw")
     ways = [("regen", args.regen_prompts, raw, "regenerate,cache")] if args.regen_prompts else []
     ways.append(("source", args.source_prompts, source_labels, "regenerate,cache"))
     # the source records again, cached in another encoding (the cache stage pins their digest, not their folder)
