@@ -60,11 +60,12 @@ def round_timing(rounds, gamma: int, *, spec_decode_s: float, spec_tokens: float
                  target_tokens: float) -> dict:
     """Where a round's time goes, and how close the loop comes to its limit (prefill excluded on both sides).
 
-    A round is one draft, one verify of the pending token + the drafts, and the rest (rollback, the drafter taking
-    the accepted tokens). With drafting and the rest free, a round would cost one verify and emit tau tokens, so the
-    best this acceptance allows is tau * step / verify (`tau_limit_speedup`); a perfect drafter (tau = gamma + 1)
-    gives `limit_speedup`. `loop_efficiency` = the measured decode speedup / tau_limit_speedup, i.e. the share of a
-    round spent verifying. step: one plain decode step of the same target, measured in the same run."""
+    A round is one draft (all of the drafter's work: the context it reads from the newly verified tokens, the
+    proposal), one verify of the pending token + the drafts (rollback included), and the rest (bookkeeping). With
+    drafting and the rest free, a round would cost one verify and emit tau tokens, so the best this acceptance allows
+    is tau * step / verify (`tau_limit_speedup`); a perfect drafter (tau = gamma + 1) gives `limit_speedup`.
+    `loop_efficiency` = the measured decode speedup / tau_limit_speedup, i.e. the share of a round spent verifying.
+    step: one plain decode step of the same target, measured in the same run."""
     n = len(rounds)
     if not n or not spec_tokens or not target_tokens:
         return {}

@@ -22,6 +22,7 @@ from eval.spec_decode import (
     NgramDrafter,
     OracleDrafter,
     Proposal,
+    argmax,
     argmax_with_low_rank_bias,
     load_draft,
     speculative_generate,
@@ -264,8 +265,21 @@ def test_argmax_with_low_rank_bias_is_the_full_argmax(bias_scale):
     for _ in range(50):
         base, u = torch.randn(3000, generator=generator) * 3, torch.randn(16, generator=generator)
         assert argmax_with_low_rank_bias(base, w2, u, norms) == int((base + w2 @ u).argmax())
+        column = torch.stack([u.new_zeros(3000), base], dim=1)[:, 1]  # a row of vocab_logits' transposed view
+        assert argmax_with_low_rank_bias(column, w2, u, norms) == int((base + w2 @ u).argmax())
     base = torch.zeros(3000)  # a tie everywhere: the first index wins, as with argmax
     assert argmax_with_low_rank_bias(base, w2 * 0, torch.ones(16), norms * 0) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_argmax_is_torchs_for_rows_views_and_ties(dtype):
+    """The loop's argmax (numpy's on a CPU) picks what torch's does: per row of a matrix, of a transposed view (what
+    vocab_logits returns), of one row, and the first index among tied maxima."""
+    logits = torch.randn(40, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[3, 2] = logits[9, 2] = logits[:, 2].max() + 1  # a tie: index 3 wins
+    for view in (logits, logits.T, logits.T.contiguous()):
+        assert argmax(view) == view.argmax(-1).tolist()
+    assert argmax(logits.T[2]) == 3 and isinstance(argmax(logits.T[2]), int)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 40])
