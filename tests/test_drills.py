@@ -66,7 +66,8 @@ def test_every_fault_point_and_a_full_disk_then_the_rerun_gives_the_same_bytes(c
     """One run folder, faulted in pipeline order (each rerun gets past the last fault and meets the next): kill -9 at
     every stage's fault point, and a disk that fills (RLIMIT_FSIZE) during the cache's shards and the first
     checkpoint. A full disk fails the write naming the file and the room left, marks nothing done and publishes
-    nothing half-written. The last rerun ends with exactly the uninterrupted run's files."""
+    nothing half-written. After the kill in training, `latest` naming a missing checkpoint is refused and a cut-off
+    metrics line is dropped on resume. The last rerun ends with exactly the uninterrupted run's files."""
     largest = {stage_dir: max(p.stat().st_size for p in (clean["out"] / stage_dir).rglob("*") if p.is_file())
                for stage_dir in ("regen", "cache", "train/checkpoints")}
     assert largest["regen"] < largest["cache"] < largest["train/checkpoints"], largest
@@ -98,7 +99,21 @@ def test_every_fault_point_and_a_full_disk_then_the_rerun_gives_the_same_bytes(c
             assert "step-0000002" in done.stderr, done.stderr[-3000:]
             assert (out / "cache" / "DONE.json").is_file() and not (checkpoints / "latest").exists()
             drill("disk-full", "disk full while writing a checkpoint")
+        if where == "train:3":  # two damages a kill can meet on its way: `latest` naming a missing checkpoint...
+            assert (checkpoints / "latest").read_text().strip() == "step-0000002"
+            log = out / "train" / "metrics.jsonl"
+            with open(log, "a") as handle:
+                handle.write('{"step": 4, "lo')  # ...and the last metrics line cut short (by the kill, or a full disk)
+            before = log.read_bytes()
+            (checkpoints / "step-0000002").rename(checkpoints / "moved-away")
+            refused = run_cli(args)
+            assert refused.returncode != 0 and f"{checkpoints / 'step-0000002'}, which is missing" in refused.stderr
+            assert log.read_bytes() == before and not (out / "train" / "DONE.json").exists()  # nothing restarted at 0
+            (checkpoints / "moved-away").rename(checkpoints / "step-0000002")
+            drill("corruption", "`latest` naming a removed checkpoint")
         if where == "train-save:4":  # killed mid-save: `latest` still names the last complete checkpoint
+            assert "dropping its cut-off last line" in done.stdout  # this run resumed from the train:3 kill
+            drill("corruption", "metrics.jsonl cut mid-line, then resumed")
             assert (checkpoints / "latest").read_text().strip() == "step-0000002"
             assert not (checkpoints / "step-0000004" / "trainer_state.pt").exists()
     assert not (out / "export" / "DONE.json").exists()
