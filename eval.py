@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
 from data.sources import source_problem  # noqa: E402
+from modeling.draft_folder import is_draft_dir  # noqa: E402
 
 # eval/, modeling/ (torch, transformers: ~12 s to import on a small machine) are imported where they run, so that
 # --help and a bad argument answer at once.
@@ -48,8 +49,6 @@ def _live(args) -> int:
 
 def argument_problems(args) -> list[str]:
     """What would otherwise fail only after the target is loaded, or silently evaluate nothing: checked first."""
-    from modeling.registry import is_draft_dir
-
     problems = [f"{flag} must be > 0, got {value}" for flag, value in
                 (("--num-samples", args.num_samples), ("--max-new-tokens", args.max_new_tokens),
                  ("--block-size", args.block_size)) if value is not None and value <= 0]

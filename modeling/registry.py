@@ -13,7 +13,6 @@ detects or loads a draft goes through this file.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,13 +23,12 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 from core.io import publish_dir, sha256_file
 from core.recipe import FAMILIES
+from modeling.draft_folder import ARCHITECTURE_NAMES, CONFIG_NAME, WEIGHTS_NAME, architecture_name, read_config
 from modeling.dspark import DSparkModel
 from modeling.eagle3 import Eagle3Model
 from modeling.target import weights_fingerprint
 
-CONFIG_NAME = "config.json"
 TARGET_WEIGHTS_KEY = "draftsmith_target_weights"  # config.json: modeling.target.weights_fingerprint of its target
-WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -54,6 +52,7 @@ ARCHITECTURES = {a.name: a for a in (
                       {"embed_tokens.weight": "embed"}),
 )}
 assert sorted(f for a in ARCHITECTURES.values() for f in a.families) == sorted(FAMILIES), "a family has no drafter"
+assert tuple(ARCHITECTURES) == ARCHITECTURE_NAMES, "modeling/draft_folder.py names other architectures"
 
 
 def architecture_for_family(family: str) -> DraftArchitecture:
@@ -63,31 +62,9 @@ def architecture_for_family(family: str) -> DraftArchitecture:
     raise ValueError(f"unknown drafter family {family!r}; known: {', '.join(FAMILIES)}")
 
 
-def read_config(draft_dir) -> dict:
-    path = Path(draft_dir) / CONFIG_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: expected a draft folder written by training "
-                                f"({CONFIG_NAME} + {WEIGHTS_NAME})")
-    return json.loads(path.read_text())
-
-
 def detect(config: dict, where="config.json") -> DraftArchitecture:
     """The registry entry of a draft config (a config.json dict); ValueError naming the known architectures."""
-    name = (config.get("architectures") or [None])[0]
-    if name not in ARCHITECTURES:
-        raise ValueError(f"unknown draft architecture {name!r} in {where}; known: {', '.join(ARCHITECTURES)}")
-    return ARCHITECTURES[name]
-
-
-def is_draft_dir(path) -> bool:
-    path = Path(path)
-    if not (path / CONFIG_NAME).is_file() or not (path / WEIGHTS_NAME).is_file():
-        return False
-    try:
-        detect(read_config(path))
-    except (ValueError, json.JSONDecodeError):
-        return False
-    return True
+    return ARCHITECTURES[architecture_name(config, where)]
 
 
 def draft_digest(draft_dir) -> str:

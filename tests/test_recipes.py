@@ -139,10 +139,12 @@ def test_unknown_recipe_suggests_a_name():
 
 @pytest.mark.parametrize("argv", [["train/main.py", "--help"], ["train/main.py", "--list-recipes"],
                                   ["train/main.py", "--recipe", "dspark_smollm2_135n"], ["eval.py", "--help"],
-                                  ["export/main.py", "--help"]])
+                                  ["export/main.py", "--help"],
+                                  ["eval.py", "--draft", "runs/no-such-draft", "--target", "smollm2-135m-instruct",
+                                   "--dataset", "mtbench"]])
 def test_the_command_lines_answer_without_importing_torch(argv):
-    """--help, the recipe list and a recipe typo answer at once: torch and transformers (~12 s to import here) are
-    imported only by the work itself."""
+    """--help, the recipe list, a recipe typo and a wrong --draft folder answer at once: torch and transformers (~12 s
+    to import here) are imported only by the work itself."""
     code = (f"import runpy, sys\nsys.argv = {argv!r}\ntry:\n    runpy.run_path({argv[0]!r}, run_name='__main__')\n"
             f"except SystemExit:\n    pass\nprint('loaded:', sorted({{'torch', 'transformers'}} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
