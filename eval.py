@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from core.malloc import keep_freed_memory  # noqa: E402
 from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
 from data.sources import source_problem  # noqa: E402
 from modeling.draft_folder import is_draft_dir  # noqa: E402
@@ -105,6 +106,7 @@ def main(argv=None) -> int:
     problems = argument_problems(args)
     if problems:
         parser.error("\n  ".join(problems))  # usage, the problems, exit code 2: before anything is loaded or written
+    keep_freed_memory()  # torch's CPU tensors come from malloc (core/malloc.py)
     if args.live:
         return _live(args)
     from eval.run import print_summary, run_eval

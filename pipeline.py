@@ -25,6 +25,7 @@ import yaml
 
 from core import stage
 from core.io import LockedError, atomic_write_text, lock_for_process, remove_stale_temps
+from core.malloc import keep_freed_memory
 from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
 from core.server import engine_python_problem
 from data.sources import source_problem
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
     if problems:
         print(f"error: recipe '{recipe.name}' cannot run:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
+    keep_freed_memory()  # torch's CPU tensors come from malloc: glibc's defaults fault them in again and again
 
     if int(os.environ.get("RANK", "0")) == 0:  # one lock per run; rank 0 stops a second run (torchrun the rest)
         try:

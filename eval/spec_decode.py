@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from modeling.cpu_linear import pack_linears
 from modeling.dspark import ContextCache, DSparkModel
 from modeling.eagle3 import Eagle3Model
 from modeling.registry import load_draft_model
@@ -398,6 +399,7 @@ def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None, any
     """The drafter saved in `draft_dir` (a training draft folder or a serving export), on the target's device, in
     `dtype` (default: the target's dtype); a target with other weights than its own is refused unless `any_target`."""
     model = load_draft_model(draft_dir, target_model, dtype=dtype, any_target=any_target)
+    pack_linears(model)  # frozen: oneDNN products on a CPU, as the target's (modeling/cpu_linear.py)
     return DRAFTERS[type(model)](model)
 
 

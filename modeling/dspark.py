@@ -54,6 +54,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
+from modeling.cpu_linear import fast_linear
 from modeling.target import decoder_layers, init_fc_and_norm
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -271,7 +272,7 @@ class DSparkDecoderLayer(nn.Module):
 
 def output_rows(linear: nn.Linear, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """`linear(x)`, or only its outputs `rows` (a bias-free head's columns: training over a reduced vocabulary)."""
-    return linear(x) if rows is None else F.linear(x, linear.weight[rows])
+    return linear(x) if rows is None else fast_linear(x, linear.weight[rows])
 
 
 class MarkovHead(nn.Module):

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from modeling.cpu_linear import fast_linear
 from modeling.dspark import output_rows
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bytes of one fp32 [chunk, gamma, V] tensor (Eagle3: see eagle3_loss)
@@ -326,7 +327,7 @@ def _eagle3_chunk(step_logits_fn, weight, bias, th_window, decays, n_pos, *tenso
     steps = len(decays)
     hs, valids = tensors[:steps], tensors[steps:]
     with torch.no_grad():
-        t_logp = torch.log_softmax(_wide(F.linear(th_window.to(weight.dtype), weight, bias)), dim=-1)
+        t_logp = torch.log_softmax(_wide(fast_linear(th_window.to(weight.dtype), weight, bias)), dim=-1)
         p_t = t_logp.exp()
         del t_logp
         t_arg = p_t.argmax(-1)  # [B, n_pos+K-1]

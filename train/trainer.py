@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from core import stage
 from core.io import atomic_write_text, publish_dir, sync_tree, verify_checksums, write_checksums, write_failure
 from data.capture import TARGET_WEIGHTS_META
+from modeling import cpu_linear
 from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
 from train.algorithms import attach_hidden, get_algorithm
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
@@ -410,6 +411,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
     if trained_on:
         setattr(module.draft.config, TARGET_WEIGHTS_KEY, trained_on)
     module = module.to(dist.device)
+    cpu_linear.pack_linears(module, prepack=False)  # fp32 on a CPU: oneDNN products (modeling/cpu_linear.py)
     engine = Engine(module, recipe, dist, grad_accum)
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
 
