@@ -43,15 +43,18 @@ def sets(**values) -> list[str]:
     return [arg for key, value in values.items() for arg in ("--set", f"{key.replace('__', '.')}={value}")]
 
 
-def run_pipeline(recipe: str, out: Path, stages: str, nproc: int, extra: list[str], log: Path) -> float:
-    """train/main.py in a child process (torchrun with nproc > 1); returns its wall seconds. Fails loudly."""
+def run_pipeline(recipe: str, out: Path, stages: str, nproc: int, extra: list[str], log: Path,
+                 env: dict | None = None) -> float:
+    """train/main.py in a child process (torchrun with nproc > 1), `env` added to its environment; returns its wall
+    seconds. Fails loudly."""
     launcher = [sys.executable, "train/main.py"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train/main.py"]
     command = launcher + ["--recipe", recipe, "--out", str(out), "--stages", stages] + extra
     print(f"[quality] {' '.join(command[-(len(extra) + 6):])}", flush=True)
     start = time.perf_counter()
     with open(log, "a") as handle:
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **OFFLINE}, stdout=handle, stderr=subprocess.STDOUT)
+        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **OFFLINE, **(env or {})}, stdout=handle,
+                              stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise SystemExit(f"[quality] failed (exit {done.returncode}); see {log}")
     return time.perf_counter() - start

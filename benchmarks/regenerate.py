@@ -8,6 +8,10 @@ data.max_turns and regen.max_new_tokens) into its own folder, on the same prompt
   hf-padded  torchrun, 2 ranks x 1 thread, HF generate with its own prefill of each left-padded batch (the stage
              before the tuned path: the baseline every ratio divides by);
   hf         the same with regen.prefill: each (the tuned in-process path: each prompt prefilled alone on a CPU);
+  hf-torch   hf with DRAFTSMITH_ONEDNN=0: the target's CPU products as torch's own (MKL on x86) instead of oneDNN
+             over prepacked weights (modeling/cpu_linear.py), to show what that gives;
+  hf-before  hf with DRAFTSMITH_ONEDNN=0 and DRAFTSMITH_MALLOC=0 (glibc's malloc as it ships, core/malloc.py): the
+             in-process path before either change;
   vllm       regen.backend: vllm, one process: the stage starts a vLLM server on all the cores and stops it after;
   vllm-2     regen.backend: vllm under torchrun with 2 ranks: one server per rank, each on its own core.
 Prints tokens/s (the stage's own figure, server start included; and without it), the ratio to hf-padded, and the
@@ -26,11 +30,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.quality import ratio, run_pipeline, sets  # noqa: E402
 
-ARMS = {  # name: (ranks, recipe overrides)
-    "hf-padded": (2, {"regen__backend": "hf", "regen__prefill": "padded"}),
-    "hf": (2, {"regen__backend": "hf", "regen__prefill": "each"}),
-    "vllm": (1, {"regen__backend": "vllm"}),
-    "vllm-2": (2, {"regen__backend": "vllm"}),
+ARMS = {  # name: (ranks, recipe overrides, environment)
+    "hf-padded": (2, {"regen__backend": "hf", "regen__prefill": "padded"}, {}),
+    "hf": (2, {"regen__backend": "hf", "regen__prefill": "each"}, {}),
+    "hf-torch": (2, {"regen__backend": "hf", "regen__prefill": "each"}, {"DRAFTSMITH_ONEDNN": "0"}),
+    "hf-before": (2, {"regen__backend": "hf", "regen__prefill": "each"},
+                  {"DRAFTSMITH_ONEDNN": "0", "DRAFTSMITH_MALLOC": "0"}),
+    "vllm": (1, {"regen__backend": "vllm"}, {}),
+    "vllm-2": (2, {"regen__backend": "vllm"}, {}),
 }
 BASELINE = "hf-padded"
 
@@ -65,10 +72,10 @@ def main(argv=None) -> int:
 
     rows = {}
     for name in arms:
-        ranks, overrides = ARMS[name]
+        ranks, overrides, env = ARMS[name]
         run = out / name
         wall = run_pipeline(args.recipe, run, "regenerate", ranks,
-                            sets(data__num_prompts=args.prompts, regen__temperature=0.0, **overrides), log)
+                            sets(data__num_prompts=args.prompts, regen__temperature=0.0, **overrides), log, env)
         done = json.loads((run / "regen" / "DONE.json").read_text())
         startup = done.get("server_startup_s", 0.0)
         rows[name] = {"ranks": ranks, "tokens": done["tokens_this_run"], "seconds": done["seconds"],

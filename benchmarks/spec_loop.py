@@ -12,6 +12,10 @@ time), HF `generate` at batch 1, and the speculative loop with each drafter:
 Prints per drafter: tau, decode tok/s, speedup over our loop and over HF generate, where a round's time goes (draft /
 verify / other ms), the share of the tau limit the loop reaches, and draft cost / verify cost. Writes
 OUT/spec_loop.json and OUT/spec_loop.md. Every output is checked equal to the plain loop's (lossless).
+
+`--kernels torch,onednn` times everything twice per prompt, alternating, with the frozen models' CPU products as
+torch's own (MKL on x86) and as oneDNN over prepacked weights (modeling/cpu_linear.py, what every loaded target and
+evaluated draft uses), and prints the ratios side by side.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from core.io import atomic_write_json, atomic_write_text  # noqa: E402
+from core.malloc import keep_freed_memory  # noqa: E402
 from data.prompts import eval_prompts  # noqa: E402
 from eval.run import acceptance_metrics, first_turn_ids, hf_generate_result, round_timing  # noqa: E402
 from eval.spec_decode import (NgramDrafter, OracleDrafter, load_draft, speculative_generate,  # noqa: E402
                               target_generate)
+from modeling import cpu_linear  # noqa: E402
 from modeling.target import SMOLLM2, load_target, load_tokenizer  # noqa: E402
 
 
@@ -61,7 +67,8 @@ def summarise(name: str, results: list, gamma: int, target_decode_s: float, targ
 
 def markdown(report: dict) -> str:
     lines = [f"# Speculative loop vs its limit: {report['target']}, {report['num_prompts']} {report['dataset']} "
-             f"prompts, {report['max_new_tokens']} tokens, gamma {report['gamma']}, {report['threads']} threads", "",
+             f"prompts, {report['max_new_tokens']} tokens, gamma {report['gamma']}, {report['threads']} threads, "
+             f"{report['kernels']} products", "",
              f"Plain loop: {report['target_step_ms']:.1f} ms a token ({1e3 / report['target_step_ms']:.1f} tok/s "
              f"decode); HF generate: {report['hf_generate_tokens_per_s']:.1f} tok/s (prefill included); "
              f"a {report['gamma'] + 1}-token verify costs {report['verify_vs_step']:.2f} steps, so the limit is "
@@ -80,6 +87,47 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def use_kernels(kind: str, models: list) -> None:
+    """Frozen models' CPU products: "onednn" (prepacked, as loaded) or "torch" (torch's own)."""
+    for model in models:
+        (cpu_linear.pack_linears if kind == "onednn" else cpu_linear.unpack_linears)(model)
+
+
+def kind_report(args, kind: str, references: list, hf: list, results: dict) -> dict:
+    target_decode_s = sum(r.wall_s - r.prefill_s for r in references)
+    target_tokens = sum(len(r.ids) for r in references)
+    hf_tokens_per_s = sum(len(r.ids) for r in hf) / sum(r.wall_s for r in hf)
+    rows = [summarise(name, res, args.gamma, target_decode_s, target_tokens, hf_tokens_per_s)
+            for name, res in results.items()]
+    oracle = rows[0]
+    return {"target": args.target, "dataset": args.dataset, "num_prompts": len(references), "gamma": args.gamma,
+            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "kernels": kind,
+            "target_step_ms": oracle["target_step_ms"], "verify_vs_step": oracle["verify_vs_step"],
+            "limit_speedup": oracle["limit_speedup"], "hf_generate_tokens_per_s": hf_tokens_per_s,
+            "plain_loop_tokens_per_s": target_tokens / sum(r.wall_s for r in references),
+            "hf_generate_match": sum(h.ids == r.ids for h, r in zip(hf, references)) / len(references),
+            "oracle_of_limit": oracle["decode_speedup"] / oracle["limit_speedup"], "drafters": rows}
+
+
+def kernels_markdown(reports: dict, base: str, new: str) -> str:
+    """How much faster `new` kernels run each part than `base` ones, measured alternating in the same run."""
+    b, n = reports[base], reports[new]
+    lines = ["", f"## {new} against {base} products (same prompts, alternating in one run; ratio = {base} time / "
+             f"{new} time)", "", "| part | " + base + " | " + new + " | ratio |", "|---|---|---|---|",
+             f"| plain loop, ms a token | {b['target_step_ms']:.1f} | {n['target_step_ms']:.1f} | "
+             f"{b['target_step_ms'] / n['target_step_ms']:.2f}x |",
+             f"| HF generate, tok/s | {b['hf_generate_tokens_per_s']:.1f} | {n['hf_generate_tokens_per_s']:.1f} | "
+             f"{n['hf_generate_tokens_per_s'] / b['hf_generate_tokens_per_s']:.2f}x |"]
+    for row_b, row_n in zip(b["drafters"], n["drafters"]):
+        for part in ("draft_ms", "verify_ms"):
+            if row_b[part] >= 0.5:  # the oracle's and n-gram's drafts cost nothing to speak of
+                lines.append(f"| {row_b['drafter']} {part.replace('_ms', '')}, ms a round | {row_b[part]:.1f} | "
+                             f"{row_n[part]:.1f} | {row_b[part] / row_n[part]:.2f}x |")
+        lines.append(f"| {row_b['drafter']} decode tok/s | {row_b['tokens_per_s']:.1f} | {row_n['tokens_per_s']:.1f} "
+                     f"| {row_n['tokens_per_s'] / row_b['tokens_per_s']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -92,11 +140,18 @@ def main(argv=None) -> int:
                         help="a trained draft folder to time beside the oracle and n-gram (repeatable)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
                         help="torch intra-op threads (default: every core torch sees)")
+    parser.add_argument("--kernels", default="onednn",
+                        help="the frozen models' CPU products, comma-separated to time them side by side: onednn "
+                             "(prepacked, what loads use; default) and/or torch (torch's own: MKL on x86)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/spec_loop")
     args = parser.parse_args(argv)
     drafts = parse_drafts(args.draft)
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    if not kernels or set(kernels) - {"onednn", "torch"}:
+        raise SystemExit(f"--kernels {args.kernels!r}: expected onednn, torch or both, e.g. --kernels torch,onednn")
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as eval.py and train/main.py do (core/malloc.py)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,35 +163,30 @@ def main(argv=None) -> int:
     eos = tokenizer.eos_token_id
     trained = {name: load_draft(path, target) for name, path in drafts.items()}
 
-    references, hf, results = [], [], {name: [] for name in ["oracle", "ngram", *trained]}
+    models = [target, *(drafter.model for drafter in trained.values())]
+    runs = {kind: ([], [], {name: [] for name in ["oracle", "ngram", *trained]}) for kind in kernels}
     for ids in tqdm(prompts, desc="spec loop", unit="prompt"):
-        reference = target_generate(target, ids, args.max_new_tokens, eos_token_id=eos)
-        references.append(reference)
-        hf.append(hf_generate_result(target, tokenizer, ids, args.max_new_tokens))
-        drafters = {"oracle": OracleDrafter(ids, reference.ids, args.gamma), "ngram": NgramDrafter(gamma=args.gamma),
-                    **trained}
-        for name, drafter in drafters.items():
-            result = speculative_generate(target, drafter, ids, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                                          eos_token_id=eos)
-            if result.ids != reference.ids:
-                raise SystemExit(f"{name}: speculative output differs from the plain loop's on a prompt: not lossless")
-            results[name].append(result)
-
-    target_decode_s = sum(r.wall_s - r.prefill_s for r in references)
-    target_tokens = sum(len(r.ids) for r in references)
-    hf_tokens_per_s = sum(len(r.ids) for r in hf) / sum(r.wall_s for r in hf)
-    rows = [summarise(name, res, args.gamma, target_decode_s, target_tokens, hf_tokens_per_s)
-            for name, res in results.items()]
-    oracle = rows[0]
-    report = {"target": args.target, "dataset": args.dataset, "num_prompts": len(prompts), "gamma": args.gamma,
-              "max_new_tokens": args.max_new_tokens, "threads": args.threads,
-              "target_step_ms": oracle["target_step_ms"], "verify_vs_step": oracle["verify_vs_step"],
-              "limit_speedup": oracle["limit_speedup"], "hf_generate_tokens_per_s": hf_tokens_per_s,
-              "plain_loop_tokens_per_s": target_tokens / sum(r.wall_s for r in references),
-              "hf_generate_match": sum(h.ids == r.ids for h, r in zip(hf, references)) / len(prompts),
-              "oracle_of_limit": oracle["decode_speedup"] / oracle["limit_speedup"], "drafters": rows}
+        for kind in kernels:  # alternating per prompt: a drift of the machine's speed hits every kind alike
+            use_kernels(kind, models)
+            references, hf, results = runs[kind]
+            reference = target_generate(target, ids, args.max_new_tokens, eos_token_id=eos)
+            references.append(reference)
+            hf.append(hf_generate_result(target, tokenizer, ids, args.max_new_tokens))
+            drafters = {"oracle": OracleDrafter(ids, reference.ids, args.gamma),
+                        "ngram": NgramDrafter(gamma=args.gamma), **trained}
+            for name, drafter in drafters.items():
+                result = speculative_generate(target, drafter, ids, gamma=args.gamma,
+                                              max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+                if result.ids != reference.ids:
+                    raise SystemExit(f"{name}: speculative output differs from the plain loop's on a prompt: "
+                                     "not lossless")
+                results[name].append(result)
+    reports = {kind: kind_report(args, kind, *runs[kind]) for kind in kernels}
+    report = {**reports[kernels[-1]], "by_kernels": reports} if len(kernels) > 1 else reports[kernels[0]]
+    text = "\n".join(markdown(r) for r in reports.values())
+    if len(kernels) > 1:
+        text += kernels_markdown(reports, kernels[0], kernels[-1])
     atomic_write_json(out / "spec_loop.json", report)
-    text = markdown(report)
     atomic_write_text(out / "spec_loop.md", text)
     print(text)
     return 0

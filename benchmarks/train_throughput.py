@@ -1,22 +1,28 @@
 """Training throughput against the machine: each family's training step, in model FLOPs per second, as a fraction of
-this machine's fp32 matrix-multiply rate measured in the same run.
+this machine's matrix-multiply rate at the step's precision, measured in the same run.
 
     python benchmarks/train_throughput.py                      # the SmolLM2 recipes, one rank's share of a step
     python benchmarks/train_throughput.py --set loss.vocab_size=null   # the same without the reduced softmax
 
 FLOPs are counted by torch's FlopCounterMode over one forward + backward (matmuls and attention; elementwise work is
 not counted, so the fraction is a lower bound of the machine's use). The step is the trainer's (the family's train
-module, its loss and AdamW) on synthetic records of the recipe's shapes: the FLOPs depend on shapes only. The rate is
-the median of square fp32 matmuls as large as the step's biggest. Prints one row per family.
+module, its loss and AdamW) on synthetic records of the recipe's shapes: the FLOPs depend on shapes only. It runs at the
+precision the trainer picks (`--precision auto`: bf16 autocast on CPUs with bf16 matrix units, else fp32). The rate is
+the faster of torch's square matmul and oneDNN's product (`torch.ops.mkldnn`) in that dtype, as large as the step's
+biggest: on AMD CPUs torch's fp32 matmul (MKL) runs at a third of what the cores do, so it is no measure of the machine.
+Prints both rates and one row per family.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from unittest.mock import patch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -25,8 +31,10 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from core.recipe import load_recipe  # noqa: E402
+from modeling import cpu_linear  # noqa: E402
 from modeling.target import load_target  # noqa: E402
 from train.algorithms import attach_hidden, get_algorithm  # noqa: E402
+from train.trainer import cpu_has_bf16_matmul  # noqa: E402
 
 
 class SyntheticCache(list):
@@ -54,40 +62,51 @@ def synthetic_records(recipe, hidden: int, vocab: int, count: int, length: int, 
     return out
 
 
-def matmul_rate(size: int, repeats: int = 5) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    torch.mm(a, b)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
+def matmul_rates(size: int, dtype: torch.dtype, repeats: int = 5) -> dict[str, float]:
+    """FLOP/s of a size^3 product in `dtype`: torch's matmul, and oneDNN's where torch has it."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    products = {"torch": lambda: torch.mm(a, b)}
+    if cpu_linear.available():  # the machine's rate, whether or not the step uses it (DRAFTSMITH_ONEDNN)
+        products["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    rates = {}
+    for name, product in products.items():
+        product()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            product()
+            times.append(time.perf_counter() - start)
+        rates[name] = 2 * size**3 / statistics.median(times)
+    return rates
 
 
 def step_throughput(family: str, target, overrides: list[str], sequences: int, length: int, answer: int,
-                    repeats: int) -> dict:
+                    repeats: int, autocast) -> dict:
     recipe = load_recipe(f"{family}_smollm2_135m", overrides)
     algo = get_algorithm(family)
     config = target.config
     records = synthetic_records(recipe, config.hidden_size, config.vocab_size, sequences, length, answer)
     torch.manual_seed(recipe.seed)
     module = algo.build(recipe, target, records)
+    cpu_linear.pack_linears(module, prepack=False)  # as the trainer does
     optimizer = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=1e-4)
     batches = [attach_hidden(algo.make_batch(recipe, [r], seeds=[(0, 0, i)], device="cpu"), [r], "cpu",
                              torch.float32) for i, r in enumerate(records)]
 
     def step():
         for batch in batches:  # micro-batches of one sequence, as the SmolLM2 recipes train
-            out = module(batch)
+            with autocast():
+                out = module(batch)
             (out.loss_sum / batch["weight_sum"]).backward()
         optimizer.step()
         optimizer.zero_grad()
 
     step()  # warm-up
-    with FlopCounterMode(display=False) as counter:
+    # counted with torch's own products: FlopCounterMode does not see oneDNN's, and the FLOPs depend on shapes only
+    with patch.dict(os.environ, {"DRAFTSMITH_ONEDNN": "0"}), FlopCounterMode(display=False) as counter:
         for batch in batches:
-            out = module(batch)
+            with autocast():
+                out = module(batch)
             (out.loss_sum / batch["weight_sum"]).backward()
     optimizer.zero_grad()
     flops = counter.get_total_flops()
@@ -108,16 +127,27 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=384, help="tokens a sequence (384)")
     parser.add_argument("--answer", type=int, default=256, help="supervised tokens at its end (256)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps, median (3)")
-    parser.add_argument("--matmul-size", type=int, default=2048, help="square fp32 matmul for the machine rate")
+    parser.add_argument("--matmul-size", type=int, default=2048, help="square matmul for the machine rate")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                        help="the step's precision (auto: the trainer's choice on this CPU)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    precision = args.precision if args.precision != "auto" else "bf16" if cpu_has_bf16_matmul() else "fp32"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
     target = load_target("smollm2-135m-instruct", "cpu", "float32")
-    rate = matmul_rate(args.matmul_size)
-    print(f"[train_throughput] fp32 matmul {args.matmul_size}^3: {rate / 1e9:.1f} GFLOP/s on "
-          f"{torch.get_num_threads()} threads", flush=True)
+    rates = matmul_rates(args.matmul_size, dtype)
+    rate = max(rates.values())
+    print(f"[train_throughput] {precision} step; {precision} matmul {args.matmul_size}^3 on "
+          f"{torch.get_num_threads()} threads: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items())
+          + " GFLOP/s; the machine's rate is the faster", flush=True)
     print(f"{'family':<8} {'step s':>7} {'GFLOP':>8} {'GFLOP/s':>8} {'of matmul':>10}")
     for family in [f.strip() for f in args.families.split(",") if f.strip()]:
-        row = step_throughput(family, target, args.overrides, args.sequences, args.length, args.answer, args.repeats)
+        row = step_throughput(family, target, args.overrides, args.sequences, args.length, args.answer, args.repeats,
+                              autocast)
         print(f"{family:<8} {row['step_s']:>7.2f} {row['gflop']:>8.1f} {row['gflops']:>8.1f} "
               f"{row['gflops'] * 1e9 / rate:>9.0%}", flush=True)
     return 0
