@@ -67,7 +67,7 @@ def matmul_rates(size: int, dtype: torch.dtype, repeats: int = 5) -> dict[str, f
     a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     products = {"torch": lambda: torch.mm(a, b)}
     if cpu_linear.available():  # the machine's rate, whether or not the step uses it (DRAFTSMITH_ONEDNN)
-        products["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+        products["onednn"] = lambda: cpu_linear.product(a, b)
     rates = {}
     for name, product in products.items():
         product()

@@ -15,6 +15,7 @@ dtypes and devices, torch's own products run. `DRAFTSMITH_ONEDNN=0` turns it all
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 import weakref
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 _PACKED: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
+@functools.cache  # a property of the torch build: asked on every product, answered once
 def available() -> bool:
     """Whether this torch build has oneDNN's linear product."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -62,8 +64,8 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return entry[2] if entry[1] == weight._version else _pack(weight)
 
 
-def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) by oneDNN; weight plain [out, in] or packed."""
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) by oneDNN, unconditionally; weight plain [out, in] or packed."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -74,7 +76,7 @@ class _TrainableLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _product(x, weight, bias)
+        return product(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
@@ -82,9 +84,9 @@ class _TrainableLinear(torch.autograd.Function):
         grad2d, x2d = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # grad @ W = linear(grad, W.T)
-            grad_x = _product(grad2d, weight.t().contiguous()).reshape(x.shape)
+            grad_x = product(grad2d, weight.t().contiguous()).reshape(x.shape)
         if ctx.needs_input_grad[1]:  # grad.T @ x = linear(grad.T, x.T)
-            grad_w = _product(grad2d.t().contiguous(), x2d.t().contiguous())
+            grad_w = product(grad2d.t().contiguous(), x2d.t().contiguous())
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad2d.sum(0)
         return grad_x, grad_w, grad_b
@@ -101,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                     or (bias is not None and bias.requires_grad)):
         return _TrainableLinear.apply(x, weight, bias)
     packed = packed_weight(weight)
-    return _product(x, weight if packed is None else packed, bias)
+    return product(x, weight if packed is None else packed, bias)
 
 
 def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -122,12 +124,13 @@ def pack_linears(model: torch.nn.Module, prepack: bool = True) -> int:
         return 0
     count = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if type(module) is torch.nn.Linear and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            if prepack and _packable(weight) and packed_weight(weight) is None:
-                _pack(weight)
-            module.forward = types.MethodType(_forward, module)
-            count += 1
+        weight = module.weight if type(module) is torch.nn.Linear else None
+        if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            continue
+        if prepack and _packable(weight) and packed_weight(weight) is None:
+            _pack(weight)
+        module.forward = types.MethodType(_forward, module)
+        count += 1
     return count
 
 
