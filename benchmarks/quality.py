@@ -3,6 +3,9 @@ the n-gram drafter and plain HF `generate`, in one run.
 
     python benchmarks/quality.py --budget-s 600 --train-prompts 256 --eval-per-source 6 --gsm8k ../shared/data/gsm8k
                                                         # about 65 min on 2 CPU cores (the README's figures)
+    python benchmarks/quality.py --out runs/quality_big --train-prompts 1280 --regen-backend vllm \\
+        --gsm8k ../shared/data/gsm8k --eval-per-source 6 --steps 2400 --curve-points 8 --families dspark
+                                                        # five times the data: about 55 min (README, the 60-minute budget)
     python benchmarks/quality.py --budget-s 60 --train-prompts 32 --eval-per-source 2  # a quick smoke run
 
 1. Regenerates once: the target answers the training prompts (ShareGPT, plus GSM8K train with --gsm8k) and the cache
@@ -12,7 +15,8 @@ the n-gram drafter and plain HF `generate`, in one run.
 2. Eval prompts from other sources: MT-bench and HumanEval first turns, plus GSM8K test with --gsm8k. Their greedy
    answers are regenerated and cached too, to replay held-out tau cheaply along training (eval/replay.py).
 3. Trains each family with its smollm2 recipe for the same wall-clock budget on this machine: a short probe measures
-   the seconds per step, then train.max_steps = budget / that. Checkpoints along the way give the learning curve.
+   the seconds per step, then train.max_steps = budget / that (or --steps: every family the same optimizer steps).
+   Checkpoints along the way give the learning curve.
 4. Evaluates every final draft with the real speculative loop (T=0, gamma 7) on the eval prompts, with the n-gram
    drafter and plain HF generate on the same prompts: tau, accept_rate@k, exact_match, speedup.
 
@@ -131,7 +135,8 @@ def plot_curves(curves: dict, baselines: dict, path: Path, budget_s: float) -> N
         ax.text(0, tau, f" {name} {tau:.2f}", va="bottom", fontsize=8, color="grey")
     ax.set_xlabel("training minutes (wall clock, this machine)")
     ax.set_ylabel("held-out tau (T=0, gamma 7)")
-    ax.set_title(f"Held-out accept length while training ({budget_s / 60:.0f} min budget per family)")
+    ax.set_title("Held-out accept length while training"
+                 + (f" ({budget_s / 60:.0f} min budget per family)" if budget_s else ""))
     save_plot(fig, ax, path)
 
 
@@ -145,8 +150,12 @@ def markdown(result: dict) -> str:
              f"{result['num_eval_prompts']} prompts, {result['max_new_tokens']} new tokens, T=0, gamma {k})", "",
              f"Training data: {result['train_sources']} ({TRAIN_DATA[result.get('train_data', 'regenerate')]}), "
              f"{result['train_records']} conversations, {result['train_tokens']} tokens"
-             + (f" ({result['data_s'] / 60:.1f} min to prepare)" if result.get("data_s") else "")
-             + f"; budget {result['budget_s']:.0f} s of training per family on {result['nproc']} rank(s).", "",
+             + (f" ({result['data_s'] / 60:.1f} min to prepare"
+                + (f", answered by {result['regen_backend']}" if result.get("regen_backend", "hf") != "hf" else "")
+                + ")" if result.get("data_s") else "")
+             + (f"; budget {result['budget_s']:.0f} s of training per family" if result.get("budget_s")
+                else f"; {result['steps']} optimizer steps per family")
+             + f" on {result['nproc']} rank(s).", "",
              "| drafter | steps | train s | tau | exact | spec tok/s | speedup vs target loop | vs HF generate | "
              + " | ".join(f"acc@{i + 1}" for i in range(k)) + " |",
              "|---|---|---|---|---|---|---|---|" + "---|" * k]
@@ -214,13 +223,17 @@ def open_eval_cache(recipe_name: str, eval_run: Path):
 
 
 def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
-                 nproc: int, log: Path, train_data: str = "regenerate"):
+                 nproc: int, log: Path, train_data: str = "regenerate", regen_backend: str = "hf"):
     """Regenerate + cache the training prompts and the held-out eval prompts. Returns (train run, eval run, eval
-    prompt file, eval source names, training sources, training data seconds)."""
+    prompt file, eval source names, training sources, training data seconds). `regen_backend` answers the training
+    prompts (vllm: one server on every core, so one process); the held-out prompts are always answered in-process."""
     sources = training_sources(gsm8k)
     data_run = out / "train-data"
-    data_s = run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", nproc,
-                          sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data), log)
+    backend = sets(regen__backend=regen_backend) if train_data == "regenerate" and regen_backend != "hf" else []
+    run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", 1 if backend else nproc,
+                 sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data) + backend, log)
+    # the two stages' seconds from their DONE.json (their last run's): right also when a finished folder is skipped
+    data_s = sum(json.loads((data_run / stage / "DONE.json").read_text())["seconds"] for stage in ("regen", "cache"))
     eval_run, eval_file, eval_sources = prepare_eval_data(out, eval_per_source, gsm8k, max_new_tokens, nproc, log)
     return data_run, eval_run, eval_file, eval_sources, sources, data_s
 
@@ -230,6 +243,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "quality", help="work folder (runs/quality)")
     parser.add_argument("--budget-s", type=float, default=900.0, help="training seconds per family (900)")
+    parser.add_argument("--steps", type=int, help="train every family this many optimizer steps instead of for "
+                                                  "--budget-s seconds (no probe)")
     parser.add_argument("--train-prompts", type=int, default=512, help="training prompts to regenerate (512)")
     parser.add_argument("--eval-per-source", type=int, default=8, help="held-out prompts per eval source (8)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per eval prompt (128)")
@@ -238,6 +253,9 @@ def main() -> int:
     parser.add_argument("--train-data", choices=("regenerate", "source"), default="regenerate",
                         help="regenerate: the target answers the training prompts (default); source: the sources' "
                              "own answers with the target's labels, no generation")
+    parser.add_argument("--regen-backend", choices=("hf", "vllm"), default="hf",
+                        help="who answers the training prompts: hf (in-process, default) or vllm (a vLLM server on "
+                             "every core, ~3x the tokens a second once started; needs .venv-vllm, `make venv-vllm`)")
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (dspark,dflash,eagle3)")
     parser.add_argument("--nproc", type=int, default=2, help="training ranks (2)")
     parser.add_argument("--curve-points", type=int, default=5, help="checkpoints replayed for the curve (5)")
@@ -262,7 +280,7 @@ def main() -> int:
 
     data_run, eval_run, eval_file, eval_sources, sources, data_s = prepare_data(
         out, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log,
-        args.train_data)
+        args.train_data, args.regen_backend)
 
     import torch
 
@@ -275,24 +293,28 @@ def main() -> int:
     curves, trained = {}, {}
     for family in families:
         recipe = f"{family}_smollm2_135m"
-        probe = out / f"{family}-probe"
-        link_data(data_run, probe)
-        run_pipeline(recipe, probe, "train", args.nproc, extra_sets + sets(train__max_steps=10, train__save_every=10),
-                     log)
-        per_step = seconds_per_step(probe)
-        steps = max(1, int(args.budget_s / per_step))
+        per_step, steps = None, args.steps
+        if steps is None:
+            probe = out / f"{family}-probe"
+            link_data(data_run, probe)
+            run_pipeline(recipe, probe, "train", args.nproc,
+                         extra_sets + sets(train__max_steps=10, train__save_every=10), log)
+            per_step = seconds_per_step(probe)
+            steps = max(1, int(args.budget_s / per_step))
+            shutil.rmtree(probe)
         run = out / family
         link_data(data_run, run)
         save_every = max(1, steps // args.curve_points)
-        train_s = run_pipeline(recipe, run, "train", args.nproc,
-                               extra_sets + sets(train__max_steps=steps, train__save_every=save_every,
-                                                 train__keep_checkpoints=0), log)
-        trained[family] = {"steps": steps, "train_s": train_s, "probe_s_per_step": per_step}
+        wall_s = run_pipeline(recipe, run, "train", args.nproc,
+                              extra_sets + sets(train__max_steps=steps, train__save_every=save_every,
+                                                train__keep_checkpoints=0), log)
         eval_cache = open_eval_cache(recipe, eval_run)
         curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens)
+        # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
+        trained[family] = {"steps": steps, "train_s": curves[family][-1]["minutes"] * 60, "wall_s": wall_s,
+                           "probe_s_per_step": per_step}
         for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
             shutil.rmtree(ckpt)
-        shutil.rmtree(probe)
 
     # --- 4. the real loop on the held-out prompts, baselines in the same process ------------------------------------
     target = load_target("smollm2-135m-instruct", "cuda" if torch.cuda.is_available() else "cpu")
@@ -314,7 +336,9 @@ def main() -> int:
                        if other in tau})
     ratios.update({f"{f}/ngram": ratio(tau[f], tau["ngram"]) for f in families})
     first = next(iter(drafters.values()))["report"]
-    result = {"budget_s": args.budget_s, "nproc": args.nproc, "train_data": args.train_data, "gamma": 7, "max_new_tokens": args.max_new_tokens,
+    result = {"budget_s": None if args.steps else args.budget_s, "steps": args.steps, "nproc": args.nproc,
+              "train_data": args.train_data,
+              "regen_backend": args.regen_backend, "gamma": 7, "max_new_tokens": args.max_new_tokens,
               "train_sources": sources, "train_records": train_manifest["num_records"],
               "train_tokens": train_manifest["num_tokens"], "data_s": data_s, "eval_sources": eval_sources,
               "num_eval_prompts": first["num_samples"], "target_tokens_per_s": first["target_tokens_per_s"],

@@ -188,6 +188,10 @@ class TrainConfig:
     lr: float = 6e-4
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
+    #: std of Gaussian noise added to the captured target states (the drafter's context features, not the states its
+    #: loss distils) while training, in units of each dimension's RMS over the data: EAGLE's feature noise, so the
+    #: drafter cannot key on exact states it has seen. 0 = off.
+    feature_noise: float = 0.0
     global_batch_size: int = 512
     micro_batch_size: int = 1
     max_grad_norm: float = 1.0
@@ -452,8 +456,9 @@ def _check_values(recipe: Recipe) -> None:
                         f"got {recipe.regen.top_p}")
     if recipe.regen.top_k < -1:
         problems.append(f"regen.top_k must be >= 1, or 0 / -1 for no top-k cut, got {recipe.regen.top_k}")
-    for key in ("regen.temperature", "eval.temperature", "train.weight_decay", "loss.ce_alpha", "loss.l1_alpha",
-                "loss.conf_alpha", "loss.soft_ce_alpha", "loss.ce_warmup_steps", "data.min_loss_tokens", "opd.rounds"):
+    for key in ("regen.temperature", "eval.temperature", "train.weight_decay", "train.feature_noise", "loss.ce_alpha",
+                "loss.l1_alpha", "loss.conf_alpha", "loss.soft_ce_alpha", "loss.ce_warmup_steps", "data.min_loss_tokens",
+                "opd.rounds"):
         if _get(recipe, key) < 0:
             problems.append(f"{key} must be >= 0, got {_get(recipe, key)}")
     if not 0.0 <= recipe.train.warmup_ratio <= 1.0:

@@ -33,6 +33,7 @@ CASES = [
     ({"regen.server_startup_s": 0}, "regenerate", ["regen.server_startup_s must be > 0, got 0"]),
     ({"draft.num_anchors": 0}, "train", ["draft.num_anchors must be > 0, got 0"]),
     ({"loss.ce_alpha": -1}, "train", ["loss.ce_alpha must be >= 0"]),
+    ({"train.feature_noise": -0.1}, "train", ["train.feature_noise must be >= 0"]),
     ({"target.layer_ids": "[1, -3]"}, "cache", ["target.layer_ids must be decoder layer indices >= 0"]),
     # checked against the target's config (40 layers), before regeneration rather than after it
     ({"target.layer_ids": "[1, 8, 99]"}, "regenerate,cache",

@@ -415,3 +415,20 @@ def test_init_from_target_and_normalized_fc():
     torch.testing.assert_close(draft.fc.weight, plain_fc / scale[None, :])
     features = draft.fc(hidden)
     assert features.std(dim=(0, 1)).max() < 10 * features.std(dim=(0, 1)).median()  # no outlier column dominates
+
+
+def test_feature_noise_is_seeded_per_sample_and_scaled_per_dimension():
+    """train.feature_noise: the context features get noise of each dimension's own std, the same for the same
+    (seed, step, place) (a resumed run adds what the first run added), and the distilled states get none."""
+    from train.algorithms import add_feature_noise
+
+    hidden = torch.zeros(2, 4096, 3)
+    batch = {"hidden_states": hidden, "last_hidden_state": torch.ones(2, 4096, 3)}
+    std = torch.tensor([0.1, 1.0, 30.0])
+    noisy = add_feature_noise(batch, std, [(42, 7, 0), (42, 7, 1)])
+    again = add_feature_noise(batch, std, [(42, 7, 0), (42, 8, 1)])
+    assert torch.equal(noisy["hidden_states"][0], again["hidden_states"][0])
+    assert not torch.equal(noisy["hidden_states"][1], again["hidden_states"][1])
+    assert not torch.equal(noisy["hidden_states"][0], noisy["hidden_states"][1])
+    torch.testing.assert_close(noisy["hidden_states"].std(dim=(0, 1)), std, rtol=0.05, atol=0)
+    assert noisy["last_hidden_state"] is batch["last_hidden_state"] and torch.equal(hidden, torch.zeros_like(hidden))

@@ -58,8 +58,9 @@ def metrics(out):
 @pytest.mark.parametrize("family", ["dspark", "dflash", "eagle3"])
 def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, prompt_file, tmp_path):
     out = copy_run(prepared, family, tmp_path / "run")
-    # the block families' loss options ride along: DSpark's softmaxes over 512 tokens, DFlash's labels the target's
-    options = {"dspark": {"loss.vocab_size": 512}, "dflash": {"loss.ce_labels": "target"}}.get(family, {})
+    # options ride along: DSpark's softmaxes over 512 tokens, DFlash's labels the target's, noise on Eagle3's features
+    options = {"dspark": {"loss.vocab_size": 512}, "dflash": {"loss.ce_labels": "target"},
+               "eagle3": {"train.feature_noise": 0.1}}[family]
     done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",
                               **options,
                               **{"train.max_steps": 10, "train.save_every": 5, "train.keep_checkpoints": 0,

@@ -74,6 +74,14 @@ def attach_hidden(batch: dict, records: list[dict], device, dtype) -> dict:
     return {**batch, "hidden_states": hidden.to(device), "last_hidden_state": last.to(device)}
 
 
+def add_feature_noise(batch: dict, std: torch.Tensor, seeds: list[tuple]) -> dict:
+    """train.feature_noise: the batch's context features plus Gaussian noise of per-dimension `std` ([K*H]), drawn
+    per sample from its seed (so a resumed run adds the same noise)."""
+    hidden = batch["hidden_states"]
+    noise = torch.stack([torch.randn(hidden.shape[1:], generator=_seeded(*seed, 1)) for seed in seeds])
+    return {**batch, "hidden_states": hidden + (noise * std).to(hidden)}
+
+
 def input_scale(cache, max_records: int = 256) -> torch.Tensor:
     """[K*H] RMS of every dimension of the captured target states over (up to) the first `max_records` cached
     conversations, position 0 left out (its attention-sink activations are outliers of their own).

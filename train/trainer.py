@@ -35,7 +35,7 @@ from core.io import atomic_write_text, publish_dir, sync_tree, verify_checksums,
 from data.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
 from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
-from train.algorithms import attach_hidden, get_algorithm
+from train.algorithms import add_feature_noise, attach_hidden, get_algorithm, input_scale
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
 from core.recipe import recipe_to_dict
 
@@ -439,6 +439,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
     input_dtype = torch.bfloat16 if weights_bf16 else torch.float32
     autocast = (torch.autocast(dist.device.type, dtype=torch.bfloat16)
                 if precision(recipe, dist) == "bf16" and not weights_bf16 else nullcontext())
+    noise_std = train.feature_noise * input_scale(cache, max_records=64) if train.feature_noise > 0 else None
     bar = tqdm(total=train.max_steps, initial=start_step, desc="train", unit="step", disable=not dist.is_main)
     for step in range(start_step, train.max_steps):
         t0 = time.perf_counter()
@@ -464,6 +465,8 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
             last_micro = i == len(micro) - 1
             t_hidden = time.perf_counter()
             batch = attach_hidden(batch, cache.with_hidden(recs), dist.device, input_dtype)
+            if noise_std is not None:
+                batch = add_feature_noise(batch, noise_std, [(recipe.seed, step, p) for p in parts[i]])
             hidden_s += time.perf_counter() - t_hidden
             with engine.sync_context(last_micro), autocast:
                 out = engine.module(batch)
