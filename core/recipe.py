@@ -457,8 +457,8 @@ def _check_values(recipe: Recipe) -> None:
     if recipe.regen.top_k < -1:
         problems.append(f"regen.top_k must be >= 1, or 0 / -1 for no top-k cut, got {recipe.regen.top_k}")
     for key in ("regen.temperature", "eval.temperature", "train.weight_decay", "train.feature_noise", "loss.ce_alpha",
-                "loss.l1_alpha", "loss.conf_alpha", "loss.soft_ce_alpha", "loss.ce_warmup_steps", "data.min_loss_tokens",
-                "opd.rounds"):
+                "loss.l1_alpha", "loss.conf_alpha", "loss.soft_ce_alpha", "loss.ce_warmup_steps",
+                "data.min_loss_tokens", "opd.rounds"):
         if _get(recipe, key) < 0:
             problems.append(f"{key} must be >= 0, got {_get(recipe, key)}")
     if not 0.0 <= recipe.train.warmup_ratio <= 1.0:
