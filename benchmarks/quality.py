@@ -337,8 +337,8 @@ def main() -> int:
     ratios.update({f"{f}/ngram": ratio(tau[f], tau["ngram"]) for f in families})
     first = next(iter(drafters.values()))["report"]
     result = {"budget_s": None if args.steps else args.budget_s, "steps": args.steps, "nproc": args.nproc,
-              "train_data": args.train_data,
-              "regen_backend": args.regen_backend, "gamma": 7, "max_new_tokens": args.max_new_tokens,
+              "train_data": args.train_data, "regen_backend": args.regen_backend, "gamma": 7,
+              "max_new_tokens": args.max_new_tokens,
               "train_sources": sources, "train_records": train_manifest["num_records"],
               "train_tokens": train_manifest["num_tokens"], "data_s": data_s, "eval_sources": eval_sources,
               "num_eval_prompts": first["num_samples"], "target_tokens_per_s": first["target_tokens_per_s"],
