@@ -450,8 +450,10 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
         # Each record is read (and its crc checked) once per step; its hidden states stay memory-map views until
         # attach_hidden copies them for the micro-batch's forward.
         records = [[cache[indices[p]] for p in part] for part in parts]
-        micro = [algo.make_batch(recipe, recs, seeds=[(recipe.seed, step, p) for p in part], device=dist.device)
-                 for part, recs in zip(parts, records)]
+        # a sample's seed: its anchors, and its feature noise (train.feature_noise)
+        seeds = [[(recipe.seed, step, p) for p in part] for part in parts]
+        micro = [algo.make_batch(recipe, recs, seeds=part_seeds, device=dist.device)
+                 for part_seeds, recs in zip(seeds, records)]
         weight_total, = dist.sum(sum(b["weight_sum"] for b in micro))
         if weight_total <= 0:
             raise RuntimeError(f"step {step}: no supervised prediction in the global batch; check the cache's loss masks")
@@ -466,7 +468,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
             t_hidden = time.perf_counter()
             batch = attach_hidden(batch, cache.with_hidden(recs), dist.device, input_dtype)
             if noise_std is not None:
-                batch = add_feature_noise(batch, noise_std, [(recipe.seed, step, p) for p in parts[i]])
+                batch = add_feature_noise(batch, noise_std, seeds[i])
             hidden_s += time.perf_counter() - t_hidden
             with engine.sync_context(last_micro), autocast:
                 out = engine.module(batch)
