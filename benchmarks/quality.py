@@ -118,8 +118,13 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
         step = int(ckpt.name.split("-")[1])
         model = load_draft_model(ckpt / "draft").float()
         replay = replay_records(model, records, gamma, max_new_tokens)
-        points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"]})
-        print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}", flush=True)
+        copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
+                                          "first_draft_right_elsewhere")}
+        points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"], **copying})
+        print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}; first "
+              f"draft right at {copying['first_draft_right_at_lookup_hits']:.3f} of the positions prompt lookup gets "
+              f"right ({copying['lookup_hit_share']:.0%} of them), {copying['first_draft_right_elsewhere']:.3f} "
+              "elsewhere", flush=True)
     return points
 
 
@@ -177,6 +182,14 @@ def markdown(result: dict) -> str:
                       "training minutes per family: "
                       + ", ".join(f"{f} {points[-1]['minutes']:.1f}" for f, points in curves.items()) + "):", ""]
         lines += [f"- {family}: {tau_at(points, minutes):.3f}" for family, points in curves.items()]
+        copying = {f: points[-1] for f, points in curves.items() if "lookup_hit_share" in points[-1]}
+        if copying:  # (results saved before this was measured lack it)
+            share = next(iter(copying.values()))["lookup_hit_share"]
+            lines += ["", f"Copying from the context: prompt lookup (the n-gram drafter) proposes the right next token "
+                          f"at {share:.0%} of the held-out answer positions; each drafter's first draft (replayed, "
+                          "last checkpoint) is right there, and elsewhere:", ""]
+            lines += [f"- {f}: {p['first_draft_right_at_lookup_hits']:.3f} where lookup is right, "
+                      f"{p['first_draft_right_elsewhere']:.3f} elsewhere" for f, p in copying.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -185,10 +198,25 @@ def source_sets(train_data: str) -> list[str]:
     return sets(regen__backend="source", loss__ce_labels="target") if train_data == "source" else []
 
 
-def training_sources(gsm8k: Path | None) -> str:
-    """The training prompt sources, as a recipe value: ShareGPT, plus GSM8K train with --gsm8k."""
+def training_sources(gsm8k: Path | None, extra: list[tuple[Path, float]] = ()) -> str:
+    """The training prompt sources, as a recipe value: ShareGPT, plus GSM8K train with --gsm8k, plus local prompt
+    files (--add-source)."""
     return "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
-                                              f"weight: 1.0}}" if gsm8k else "") + "]"
+                                              f"weight: 1.0}}" if gsm8k else "") + "".join(
+        f", {{name: '{path.resolve()}', weight: {weight}}}" for path, weight in extra) + "]"
+
+
+def parse_source(item: str) -> tuple[Path, float]:
+    """--add-source FILE=WEIGHT (FILE: a local prompt file, .json/.jsonl in any shape data.sources reads)."""
+    path, sep, weight = item.rpartition("=")
+    try:
+        value = float(weight) if sep else -1.0
+    except ValueError:
+        value = -1.0
+    if not sep or value <= 0 or not Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"{item!r}: expected FILE=WEIGHT with an existing prompt file and a weight "
+                                         "> 0, e.g. prompts.jsonl=0.5")
+    return Path(path), value
 
 
 def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_new_tokens: int, nproc: int,
@@ -223,11 +251,12 @@ def open_eval_cache(recipe_name: str, eval_run: Path):
 
 
 def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
-                 nproc: int, log: Path, train_data: str = "regenerate", regen_backend: str = "hf"):
+                 nproc: int, log: Path, train_data: str = "regenerate", regen_backend: str = "hf",
+                 extra_sources: list[tuple[Path, float]] = ()):
     """Regenerate + cache the training prompts and the held-out eval prompts. Returns (train run, eval run, eval
     prompt file, eval source names, training sources, training data seconds). `regen_backend` answers the training
     prompts (vllm: one server on every core, so one process); the held-out prompts are always answered in-process."""
-    sources = training_sources(gsm8k)
+    sources = training_sources(gsm8k, extra_sources)
     data_run = out / "train-data"
     backend = sets(regen__backend=regen_backend) if train_data == "regenerate" and regen_backend != "hf" else []
     run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", 1 if backend else nproc,
@@ -263,6 +292,9 @@ def main() -> int:
                         help="rewrite quality.md and learning_curve.png from OUT/quality.json, training nothing")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override for every family's training, e.g. --set train.lr=2e-3")
+    parser.add_argument("--add-source", dest="extra_sources", action="append", default=[], type=parse_source,
+                        metavar="FILE=WEIGHT", help="a local prompt file added to the training sources with that "
+                        "weight (ShareGPT's is 1); never the held-out sources")
     args = parser.parse_args()
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = set(families) - set(FAMILIES)
@@ -280,7 +312,7 @@ def main() -> int:
 
     data_run, eval_run, eval_file, eval_sources, sources, data_s = prepare_data(
         out, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log,
-        args.train_data, args.regen_backend)
+        args.train_data, args.regen_backend, args.extra_sources)
 
     import torch
 

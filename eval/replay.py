@@ -8,17 +8,51 @@ count as rejected). Cheap enough for a learning curve; speed needs the real loop
 
 from __future__ import annotations
 
+import torch
+
 from eval.run import acceptance_metrics
 from train.rollout import answer_span, draft_matches, replay_rounds
 
 
 def replay_records(model, records, gamma: int, max_new_tokens: int | None = None) -> dict:
     """Replayed T=0 acceptance over the first answer of every record: the report fields of eval/run.py
-    (accept_len, accept_rate_at_k, cond_accept_rate_at_k, verify_rate, num_rounds) plus per-record taus."""
-    rounds, per_record = [], []
+    (accept_len, accept_rate_at_k, cond_accept_rate_at_k, verify_rate, num_rounds) plus per-record taus, and
+    whether the drafter copies: over every answer position, the share where prompt lookup (the n-gram drafter)
+    proposes the right next token, and the drafter's first-draft accuracy there and at the other positions."""
+    rounds, per_record, tally = [], [], {True: [0, 0], False: [0, 0]}  # lookup hit? -> [positions, first right]
     for record in records:
         first, end = answer_span(record, max_new_tokens)
-        mine = replay_rounds(draft_matches(model, record, gamma), first, end, gamma)
+        matches = draft_matches(model, record, gamma)
+        mine = replay_rounds(matches, first, end, gamma)
         rounds += mine
         per_record.append(sum(r.accepted + 1 for r in mine) / max(len(mine), 1))
-    return {**acceptance_metrics(rounds, gamma), "per_record_accept_len": per_record}
+        hits = lookup_hits(record["input_ids"][None].long())[0]
+        for a in range(first, end - 1):
+            tally[bool(hits[a])][0] += 1
+            tally[bool(hits[a])][1] += int(matches[a, 0])
+    positions = tally[True][0] + tally[False][0]
+    return {**acceptance_metrics(rounds, gamma), "per_record_accept_len": per_record,
+            "lookup_hit_share": tally[True][0] / max(positions, 1),
+            "first_draft_right_at_lookup_hits": tally[True][1] / max(tally[True][0], 1),
+            "first_draft_right_elsewhere": tally[False][1] / max(tally[False][0], 1)}
+
+
+def lookup_hits(input_ids: torch.Tensor, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
+    """[B, S] bool: position a is True when prompt lookup over input_ids[: a + 1] proposes input_ids[a + 1] first.
+
+    The n-gram drafter's rule (eval's NgramDrafter): the most recent earlier occurrence of the last n tokens,
+    n = max_n..min_n, proposes the token that followed it. One pass per row, a dict per n of each n-gram's latest
+    end.
+    """
+    hits = torch.zeros(input_ids.shape, dtype=torch.bool)
+    for row, ids in enumerate(input_ids.tolist()):
+        latest_end = [dict() for _ in range(max_n + 1)]
+        for a in range(len(ids) - 1):
+            for n in range(min(max_n, a + 1), min_n - 1, -1):
+                end = latest_end[n].get(tuple(ids[a - n + 1: a + 1]))
+                if end is not None:
+                    hits[row, a] = ids[end + 1] == ids[a + 1]
+                    break
+            for n in range(min_n, min(max_n, a + 1) + 1):
+                latest_end[n][tuple(ids[a - n + 1: a + 1])] = a
+    return hits

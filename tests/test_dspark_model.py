@@ -432,3 +432,42 @@ def test_feature_noise_is_seeded_per_sample_and_scaled_per_dimension():
     assert not torch.equal(noisy["hidden_states"][0], noisy["hidden_states"][1])
     torch.testing.assert_close(noisy["hidden_states"].std(dim=(0, 1)), std, rtol=0.05, atol=0)
     assert noisy["last_hidden_state"] is batch["last_hidden_state"] and torch.equal(hidden, torch.zeros_like(hidden))
+
+
+def test_lookup_hits_are_the_ngram_drafters_first_proposals():
+    """eval.replay.lookup_hits marks the positions whose next token the n-gram drafter (prompt lookup) proposes
+    first: the same rule, checked against NgramDrafter itself on repetitive random rows."""
+    from eval.replay import lookup_hits
+    from eval.spec_decode import NgramDrafter
+
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randint(0, 6, (3, 50), generator=g)  # 6 symbols: many repeats of every n-gram length
+    rows[2, 25:] = rows[2, :25]  # a copied half: lookup hits nearly everywhere in it
+    hits = lookup_hits(rows)
+    drafter = NgramDrafter(max_n=3, min_n=1)
+    for r, ids in enumerate(rows.tolist()):
+        for a in range(len(ids) - 1):
+            drafter.reset(ids[: a + 1], None)
+            proposal = drafter.propose(1, 0.0, None).tokens
+            assert bool(hits[r, a]) == (proposal[:1] == [ids[a + 1]]), (r, a)
+        assert not hits[r, -1]
+    assert hits[2, 28:49].float().mean() > 0.8 and 0.05 < hits[0].float().mean() < 0.7
+
+
+def test_replay_reports_first_draft_accuracy_where_lookup_hits(monkeypatch):
+    """eval/replay.py splits the first-draft accuracy by whether prompt lookup gets the next token right: a drafter
+    whose first draft is right exactly where lookup is right scores 1.0 there and 0.0 elsewhere."""
+    import eval.replay as replay
+    from eval.replay import lookup_hits
+
+    ids = torch.tensor([5, 1, 2, 3, 1, 2, 3, 4, 1, 2, 9, 9, 9, 9])
+    record = {"input_ids": ids, "loss_mask": torch.tensor([0, 0, 0] + [1] * 11)}
+    hits = lookup_hits(ids[None])[0]
+    matches = torch.zeros(len(ids), 7, dtype=torch.bool)
+    matches[:, 0] = hits
+    monkeypatch.setattr(replay, "draft_matches", lambda model, rec, gamma: matches)
+    report = replay.replay_records(None, [record], 7)
+    answer = range(2, 13)  # pending positions first .. end - 2: the last prompt token to the last but one
+    assert report["lookup_hit_share"] == pytest.approx(float(hits[list(answer)].float().mean()))
+    assert 0 < report["lookup_hit_share"] < 1
+    assert report["first_draft_right_at_lookup_hits"] == 1.0 and report["first_draft_right_elsewhere"] == 0.0
