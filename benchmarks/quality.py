@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -208,12 +209,12 @@ def training_sources(gsm8k: Path | None, extra: list[tuple[Path, float]] = ()) -
 
 def parse_source(item: str) -> tuple[Path, float]:
     """--add-source FILE=WEIGHT (FILE: a local prompt file, .json/.jsonl in any shape data.sources reads)."""
-    path, sep, weight = item.rpartition("=")
+    path, _, weight = item.rpartition("=")
     try:
-        value = float(weight) if sep else -1.0
+        value = float(weight)
     except ValueError:
-        value = -1.0
-    if not sep or value <= 0 or not Path(path).is_file():
+        value = 0.0
+    if not (0 < value < math.inf) or not Path(path).is_file():  # (nan fails the comparison too)
         raise argparse.ArgumentTypeError(f"{item!r}: expected FILE=WEIGHT with an existing prompt file and a weight "
                                          "> 0, e.g. prompts.jsonl=0.5")
     return Path(path), value

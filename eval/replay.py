@@ -19,22 +19,20 @@ def replay_records(model, records, gamma: int, max_new_tokens: int | None = None
     (accept_len, accept_rate_at_k, cond_accept_rate_at_k, verify_rate, num_rounds) plus per-record taus, and
     whether the drafter copies: over every answer position, the share where prompt lookup (the n-gram drafter)
     proposes the right next token, and the drafter's first-draft accuracy there and at the other positions."""
-    rounds, per_record, tally = [], [], {True: [0, 0], False: [0, 0]}  # lookup hit? -> [positions, first right]
+    rounds, per_record, hit_rows, right_rows = [], [], [], []
     for record in records:
         first, end = answer_span(record, max_new_tokens)
         matches = draft_matches(model, record, gamma)
         mine = replay_rounds(matches, first, end, gamma)
         rounds += mine
         per_record.append(sum(r.accepted + 1 for r in mine) / max(len(mine), 1))
-        hits = lookup_hits(record["input_ids"][None].long())[0]
-        for a in range(first, end - 1):
-            tally[bool(hits[a])][0] += 1
-            tally[bool(hits[a])][1] += int(matches[a, 0])
-    positions = tally[True][0] + tally[False][0]
+        hit_rows.append(lookup_hits(record["input_ids"][None].long())[0, first: end - 1])  # pending positions
+        right_rows.append(matches[first: end - 1, 0])
+    hits, right = torch.cat(hit_rows), torch.cat(right_rows)
     return {**acceptance_metrics(rounds, gamma), "per_record_accept_len": per_record,
-            "lookup_hit_share": tally[True][0] / max(positions, 1),
-            "first_draft_right_at_lookup_hits": tally[True][1] / max(tally[True][0], 1),
-            "first_draft_right_elsewhere": tally[False][1] / max(tally[False][0], 1)}
+            "lookup_hit_share": hits.float().mean().item() if hits.numel() else 0.0,
+            "first_draft_right_at_lookup_hits": right[hits].float().mean().item() if hits.any() else 0.0,
+            "first_draft_right_elsewhere": right[~hits].float().mean().item() if (~hits).any() else 0.0}
 
 
 def lookup_hits(input_ids: torch.Tensor, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
