@@ -199,7 +199,7 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
                 dist.print("[opd] skipped: opd.rounds is 0 (on-policy distillation is opt-in)")
                 continue
             run_opd(recipe, training_records(recipe, out, tokenizer, target), out / "train" / "final", out / "opd",
-                    dist, target)
+                    dist, target, tokenizer.eos_token_id)
         elif name == "eval":
             if dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
                 with dist.every_core():  # the other ranks wait meanwhile

@@ -84,6 +84,7 @@ def main(argv=None) -> int:
     from core.recipe import load_recipe
     from eval.replay import replay_records
     from modeling.registry import load_draft_model
+    from modeling.target import load_tokenizer
     from train.opd import draft_gamma
 
     extra = [arg for item in args.overrides for arg in ("--set", item)]
@@ -91,12 +92,15 @@ def main(argv=None) -> int:
     for family in families:
         recipe_name = f"{family}_smollm2_135m"
         recipe = load_recipe(recipe_name)
+        # a replayed answer ends where the loop stops
+        eos_token_id = load_tokenizer(recipe.target.name_or_path).eos_token_id
         eval_cache = open_eval_cache(recipe_name, eval_run)
         eval_records = [eval_cache[i] for i in range(len(eval_cache))]
 
         def held_out(draft_dir: Path) -> float:
             model = load_draft_model(draft_dir).float()
-            return replay_records(model, eval_records, draft_gamma(recipe), args.max_new_tokens)["accept_len"]
+            return replay_records(model, eval_records, draft_gamma(recipe), args.max_new_tokens,
+                                  eos_token_id)["accept_len"]
 
         run = out / family / "sft-opd"
         link_data(data_run, run)

@@ -103,7 +103,7 @@ def tau_at(points: list[dict], minutes: float) -> float:
     return curve[-1][1]
 
 
-def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int) -> list[dict]:
+def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id) -> list[dict]:
     """Replayed held-out tau of every checkpoint, against the training minutes spent to reach it."""
     from eval.replay import replay_records
     from modeling.registry import load_draft_model
@@ -118,7 +118,7 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
     for ckpt in sorted((family_run / "train" / "checkpoints").glob("step-*")):
         step = int(ckpt.name.split("-")[1])
         model = load_draft_model(ckpt / "draft").float()
-        replay = replay_records(model, records, gamma, max_new_tokens)
+        replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
         copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
                                           "first_draft_right_elsewhere")}
         points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"], **copying})
@@ -318,8 +318,9 @@ def main() -> int:
     import torch
 
     from eval.run import run_eval
-    from modeling.target import load_target
+    from modeling.target import load_target, load_tokenizer
 
+    eos_token_id = load_tokenizer("smollm2-135m-instruct").eos_token_id  # a replayed answer ends where the loop stops
     train_manifest = json.loads((data_run / "cache" / "manifest.json").read_text())
 
     # --- 3. each family, the same budget ------------------------------------------------------------------------------
@@ -342,7 +343,7 @@ def main() -> int:
                               extra_sets + sets(train__max_steps=steps, train__save_every=save_every,
                                                 train__keep_checkpoints=0), log)
         eval_cache = open_eval_cache(recipe, eval_run)
-        curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens)
+        curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id)
         # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
         trained[family] = {"steps": steps, "train_s": curves[family][-1]["minutes"] * 60, "wall_s": wall_s,
                            "probe_s_per_step": per_step}

@@ -1,9 +1,10 @@
 """T=0 accept lengths without running the target: the speculative loop replayed over a cached greedy answer
 (train/rollout.py explains why one teacher-forced drafter pass gives the loop's rounds). The replayed tau equals the
-loop's up to the rounding of the cached states (bf16 by default) and the last round (drafts past the answer's end
-count as rejected). Cheap enough for a learning curve; speed needs the real loop (eval/run.py).
+loop's up to the rounding of the cached states (bf16 by default) and the last round at the max_new_tokens cut (drafts
+past it count as rejected; the loop may accept them and stop there). Cheap enough for a learning curve; speed needs
+the real loop (eval/run.py).
 
-    report = replay_records(model, records, gamma, max_new_tokens)   # {"accept_len", "accept_rate_at_k", ...}
+    report = replay_records(model, records, gamma, max_new_tokens, tokenizer.eos_token_id)  # {"accept_len", ...}
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ from eval.run import acceptance_metrics
 from train.rollout import answer_span, draft_matches, replay_rounds
 
 
-def replay_records(model, records, gamma: int, max_new_tokens: int | None = None) -> dict:
+def replay_records(model, records, gamma: int, max_new_tokens: int | None = None, eos_token_id=None) -> dict:
     """Replayed T=0 acceptance over the first answer of every record: the report fields of eval/run.py
     (accept_len, accept_rate_at_k, cond_accept_rate_at_k, verify_rate, num_rounds) plus per-record taus, and
     whether the drafter copies: over every answer position, the share where prompt lookup (the n-gram drafter)
-    proposes the right next token, and the drafter's first-draft accuracy there and at the other positions."""
+    proposes the right next token, and the drafter's first-draft accuracy there and at the other positions.
+    eos_token_id: the tokenizer's, so that an answer ends where the loop stops (answer_span)."""
     rounds, per_record, hit_rows, right_rows = [], [], [], []
     for record in records:
-        first, end = answer_span(record, max_new_tokens)
+        first, end = answer_span(record, max_new_tokens, eos_token_id)
         matches = draft_matches(model, record, gamma)
         mine = replay_rounds(matches, first, end, gamma)
         rounds += mine

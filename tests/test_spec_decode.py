@@ -558,3 +558,27 @@ def test_replay_gives_the_loops_rounds(name, target):
         # the loop's last round may accept drafts past the budget, which the cached answer does not hold
         assert [r.accepted for r in replayed][:-1] == loop[:-1] and replayed[-1].accepted <= loop[-1]
         assert len(replayed) == len(loop)
+
+
+def test_replay_stops_at_the_end_of_turn_token_like_the_loop(target):
+    """A ChatML answer's supervised text goes on past <|im_end|> (its newline), but the loop stops at the eos token:
+    with eos_token_id, answer_span ends the replayed answer there and the rounds are the loop's; without it the replay
+    would run rounds the loop never runs."""
+    from train.rollout import answer_span, draft_matches, replay_rounds
+
+    target, drafter = bigram_pair()
+    prompt = PROMPTS[1]
+    full = target_generate(target, prompt, 40).ids
+    eos = full[25]
+    stopped = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=40, eos_token_id=eos)
+    assert stopped.ids == full[: full.index(eos) + 1]
+    ids = torch.tensor([prompt + full])
+    hidden, _ = capture_hidden_states(target, ids, torch.ones_like(ids), LAYER_IDS)
+    record = {"input_ids": ids[0], "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(full)),
+              "hidden_states": hidden[0]}
+    first, end = answer_span(record, eos_token_id=[eos])
+    assert end == len(prompt) + len(stopped.ids) < ids.shape[1]
+    replayed = replay_rounds(draft_matches(drafter.model, record, GAMMA), first, end, GAMMA)
+    assert len(replayed) == len(stopped.rounds)
+    assert [r.accepted for r in replayed][:-1] == [r.accepted for r in stopped.rounds][:-1]
+    assert len(replay_rounds(draft_matches(drafter.model, record, GAMMA), *answer_span(record), GAMMA)) > len(replayed)

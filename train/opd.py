@@ -67,12 +67,14 @@ def rollout_sample(num_records: int, count: int, seed: int, round_index: int) ->
     return order[: min(count, num_records)].tolist()
 
 
-def rollout(draft, records, indices: list[int], gamma: int) -> tuple[list[torch.Tensor], list[int], float]:
-    """Replayed greedy rounds over each record's first answer: (round starts per record, accepted per round, tau)."""
+def rollout(draft, records, indices: list[int], gamma: int,
+            eos_token_id=None) -> tuple[list[torch.Tensor], list[int], float]:
+    """Replayed greedy rounds over each record's first answer, ended where the loop stops (answer_span): (round starts
+    per record, accepted per round, tau)."""
     starts, accepted = [], []
     for index in indices:
         record = records.with_hidden([records[index]])[0]
-        first, end = answer_span(record)
+        first, end = answer_span(record, eos_token_id=eos_token_id)
         rounds = replay_rounds(draft_matches(draft, record, gamma), first, end, gamma)
         starts.append(torch.tensor([r.pending for r in rounds], dtype=torch.long))
         accepted += [r.accepted for r in rounds]
@@ -80,8 +82,9 @@ def rollout(draft, records, indices: list[int], gamma: int) -> tuple[list[torch.
     return starts, accepted, tau
 
 
-def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_target) -> dict:
-    """The `opd` stage on the training records (a TargetCache or OnlineRecords), from the train stage's draft."""
+def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_target, eos_token_id=None) -> dict:
+    """The `opd` stage on the training records (a TargetCache or OnlineRecords), from the train stage's draft;
+    eos_token_id: the tokenizer's, where rollouts stop."""
     out_dir, opd = Path(out_dir), recipe.opd
     if recipe.regen.temperature != 0:
         raise ValueError(f"opd replays greedy rollouts, which are the regenerated answers only when they are greedy: "
@@ -103,7 +106,7 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
         indices = rollout_sample(len(records), opd.rollout_records, recipe.seed, k)
         t0 = time.perf_counter()
         draft = load_draft_model(draft_dir, get_target(), dtype=torch.float32)
-        starts, accepted, tau = rollout(draft, records, indices, gamma)
+        starts, accepted, tau = rollout(draft, records, indices, gamma, eos_token_id)
         rollout_s = time.perf_counter() - t0
         bar.set_postfix(rollout_tau=f"{tau:.3f}")
         dist.print(f"[opd] round {k}/{opd.rounds}: rollout tau {tau:.3f} over {len(accepted)} rounds of "
@@ -118,7 +121,8 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
     bar.close()
     # the last update's effect, on the sample the next round would roll out
     _, accepted, tau = rollout(load_draft_model(draft_dir, get_target(), dtype=torch.float32), records,
-                               rollout_sample(len(records), opd.rollout_records, recipe.seed, opd.rounds + 1), gamma)
+                               rollout_sample(len(records), opd.rollout_records, recipe.seed, opd.rounds + 1), gamma,
+                               eos_token_id)
     history.append({"round": opd.rounds + 1, "rollout_tau": tau, "rollout_rounds": len(accepted)})
     stats = {"rounds": history, "final": str(out_dir / "final")}
     if dist.is_main:

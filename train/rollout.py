@@ -79,9 +79,11 @@ def replay_rounds(matches: torch.Tensor, first_pending: int, end: int, gamma: in
     return rounds
 
 
-def answer_span(record: dict, max_new_tokens: int | None = None) -> tuple[int, int]:
+def answer_span(record: dict, max_new_tokens: int | None = None, eos_token_id=None) -> tuple[int, int]:
     """(first pending position, end) of the record's first answer: the last prompt token, and one past the answer's
-    last supervised token (the end-of-turn token included), cut at max_new_tokens."""
+    last supervised token (the end-of-turn token included), cut at max_new_tokens. With eos_token_id (an id or a list)
+    the answer ends at its first such token, as the loop stops there: a template's end-of-turn text can go on past it
+    (ChatML's newline after <|im_end|> is supervised)."""
     mask = record["loss_mask"].bool()
     supervised = mask.nonzero().flatten()
     if supervised.numel() == 0:
@@ -92,4 +94,9 @@ def answer_span(record: dict, max_new_tokens: int | None = None) -> tuple[int, i
         end += 1
     if max_new_tokens is not None:
         end = min(end, first + max_new_tokens)
+    if eos_token_id is not None:
+        stops = torch.as_tensor(eos_token_id).flatten()
+        at_eos = torch.isin(record["input_ids"][first:end].long(), stops).nonzero().flatten()
+        if at_eos.numel():
+            end = first + int(at_eos[0]) + 1
     return first - 1, end
