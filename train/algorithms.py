@@ -22,6 +22,7 @@ from modeling.dspark import DSparkModel, block_targets, build_dspark_config, sam
 from data.capture import read_loss_token_counts
 from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping, target_to_draft, ttt_valid_mask
 from modeling.registry import architecture_for_family, save_draft
+from train.copy_init import init_copy_attention
 from train.loss import block_loss, block_weight_sum, eagle3_loss, eagle3_weight_sum
 
 # SmolLM2's vocabulary has no MASK token, and SGLang needs an id inside the target vocabulary (it reads the mask
@@ -112,12 +113,17 @@ class _TrainModule(torch.nn.Module):
 def _init_draft(draft, recipe, target, cache) -> None:
     """The recipe's starts (draft.init_*): from the target's layers and norm, and fc's columns scaled to the data."""
     d = recipe.draft
+    if d.init_copy and not isinstance(draft, DSparkModel):
+        raise ValueError(f"draft.init_copy starts a block drafter's attention (dspark, dflash); the {recipe.family} "
+                         "draft has none to start: set draft.init_copy=false")
     kwargs = {"markov": d.markov_init} if isinstance(draft, DSparkModel) else {}
     draft.init_from_target(target, layers=d.init_layers, fc="last" if d.init_fc == "last" else "random",
                            norm=d.init_norm, **kwargs)
     if d.init_fc == "normalized":
         with torch.no_grad():
             draft.fc.weight.div_(input_scale(cache)[None, :].to(draft.fc.weight))
+    if d.init_copy:
+        init_copy_attention(draft, cache)
 
 
 # --- DSpark / DFlash ----------------------------------------------------------------------------------------------
