@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     parser.add_argument("--any-target", action="store_true",
                         help="evaluate even when --target's weights are not the ones the draft was trained on "
                              "(measuring transfer); refused by default")
+    parser.add_argument("--full-vocab", action="store_true",
+                        help="draft over the whole vocabulary although the draft folder has a token map (the tokens "
+                             "it was trained over, token_map.pt), as SGLang and vLLM serve it; --live always does")
     live = parser.add_argument_group("live serving check (--live)")
     live.add_argument("--live", action="store_true", help="serve the draft in --engine and compare with offline tau")
     live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")
@@ -118,7 +121,7 @@ def main(argv=None) -> int:
                           max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
                           dataset_path=args.dataset_path, scheduler=not args.no_scheduler,
                           hf_generate=args.hf_generate, ngram_baseline=args.ngram_baseline,
-                          any_target=args.any_target)
+                          any_target=args.any_target, full_vocab=args.full_vocab)
     except TargetMismatchError as exc:
         print(f"[eval] refused: {exc}", file=sys.stderr)
         return 2

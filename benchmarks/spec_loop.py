@@ -8,7 +8,9 @@ time), HF `generate` at batch 1, and the speculative loop with each drafter:
   oracle  proposes the target's own greedy continuation, precomputed, at no draft cost: every draft is accepted, so
           its speedup over the step time is what the loop itself allows (limit = (gamma+1) x step / verify);
   ngram   prompt lookup, free, the baseline any trained drafter must beat;
-  NAME=DIR  each trained draft folder given with --draft.
+  NAME=DIR  each trained draft folder given with --draft; with --full-vocab a block draft that has a token map
+          (token_map.pt: it drafts among the tokens it was trained over) runs a second time as NAME/full, drafting
+          over the whole vocabulary as the serving engines do.
 Prints per drafter: tau, decode tok/s, speedup over our loop and over HF generate, where a round's time goes (draft /
 verify / other ms), the share of the tau limit the loop reaches, and draft cost / verify cost. Writes
 OUT/spec_loop.json and OUT/spec_loop.md. Every output is checked equal to the plain loop's (lossless).
@@ -143,6 +145,8 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", default="onednn",
                         help="the frozen models' CPU products, comma-separated to time them side by side: onednn "
                              "(prepacked, what loads use; default) and/or torch (torch's own: MKL on x86)")
+    parser.add_argument("--full-vocab", action="store_true",
+                        help="also time each draft with a token map over the whole vocabulary (NAME/full)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/spec_loop")
     args = parser.parse_args(argv)
@@ -162,6 +166,10 @@ def main(argv=None) -> int:
                for p in eval_prompts(args.dataset, args.num_prompts, args.seed)]
     eos = tokenizer.eos_token_id
     trained = {name: load_draft(path, target) for name, path in drafts.items()}
+    if args.full_vocab:
+        trained.update({f"{name}/full": load_draft(drafts[name], target, full_vocab=True)
+                        for name, drafter in list(trained.items()) if getattr(drafter.model, "draft_vocab", None)
+                        is not None})
 
     models = [target, *(drafter.model for drafter in trained.values())]
     runs = {kind: ([], [], {name: [] for name in ["oracle", "ngram", *trained]}) for kind in kernels}

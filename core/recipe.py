@@ -140,9 +140,10 @@ class DraftConfig:
     init_norm: Literal["ones", "target"] = "ones"
     #: Markov head: normal = N(0, 0.02) both factors | zero_w2 = first factor N(0, 1), second factor zero.
     markov_init: Literal["normal", "zero_w2"] = "normal"
-    #: DSpark/DFlash: layer 0's attention starts as prompt lookup does (match the pending token in the context, read
-    #: the target's prediction there), fitted on the cache at the start (train/copy_init.py).
-    init_copy: bool = False
+    #: DSpark/DFlash: none | trained = layer 0's attention starts as prompt lookup does (match the pending token in the
+    #: context, read the target's prediction there), fitted on the cache at the start (train/copy_init.py) | frozen =
+    #: that start kept as fitted while the rest trains.
+    init_copy: Literal["none", "trained", "frozen"] = "none"
     #: Eagle3 only.
     ttt_length: int = 7
     draft_vocab_size: Optional[int] = None

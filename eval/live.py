@@ -198,7 +198,7 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target = load_target(target_name, device)
     tokenizer = load_tokenizer(target_name)
-    drafter = load_draft(draft_dir, target)
+    drafter = load_draft(draft_dir, target, full_vocab=True)  # the engines draft over the whole vocabulary
     gamma = block_size or drafter.default_gamma
     prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
     prompt_ids = [first_turn_ids(tokenizer, p, system_prompt, enable_thinking) for p in prompts]

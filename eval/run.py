@@ -92,22 +92,23 @@ def first_turn_ids(tokenizer, prompt, system_prompt: str | None, enable_thinking
                              enable_thinking=enable_thinking)
 
 
-def make_drafter(draft: str, target, gamma: int, any_target: bool = False):
+def make_drafter(draft: str, target, gamma: int, any_target: bool = False, full_vocab: bool = False):
     """A trained draft folder, `ngram`, or `lm:<path or id>` (a small causal LM with the target's tokenizer).
-    any_target: accept a target whose weights differ from the draft's own (see modeling.registry)."""
+    any_target: accept a target whose weights differ from the draft's own (see modeling.registry); full_vocab: ignore
+    a draft folder's token map (eval/spec_decode.load_draft)."""
     if draft == "ngram":
         return NgramDrafter(gamma=gamma)
     if draft.startswith("lm:"):
         model = load_target(draft[3:], target.device, dtype=str(target.dtype).removeprefix("torch."))
         return DraftLMDrafter(model, gamma=gamma, vocab_size=target.config.vocab_size)
-    return load_draft(draft, target, any_target=any_target)
+    return load_draft(draft, target, any_target=any_target, full_vocab=full_vocab)
 
 
 def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int, temperature: float,
              block_size: int | None, max_new_tokens: int, seed: int = 0, system_prompt: str | None = None,
              enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
              scheduler: bool = True, target=None, hf_generate: bool = False, baselines: dict | None = None,
-             ngram_baseline: bool = False, any_target: bool = False) -> dict:
+             ngram_baseline: bool = False, any_target: bool = False, full_vocab: bool = False) -> dict:
     """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does).
 
     hf_generate: also time plain HF `generate` (greedy, batch size 1) on every prompt, the speed users compare with:
@@ -115,14 +116,17 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     baselines: a dict shared by several calls in one process (one per drafter, same target and prompts): each prompt's
     baseline decodes are run once, by the first call, and reused.
     ngram_baseline: also run the free n-gram drafter on the same prompts (report `ngram_baseline`, `tau_vs_ngram`): a
-    trained drafter that accepts less than it is not worth serving."""
+    trained drafter that accepts less than it is not worth serving.
+    full_vocab: draft over the whole vocabulary although the draft folder has a token map (report `draft_vocab_size`:
+    the tokens drafted among, None for all)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
         target = load_target(target_name, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(target_name)
-    drafter = make_drafter(draft, target, block_size or 7, any_target)
+    drafter = make_drafter(draft, target, block_size or 7, any_target, full_vocab)
     gamma = block_size or drafter.default_gamma
+    draft_vocab = getattr(getattr(drafter, "model", None), "draft_vocab", None)
     prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
     greedy = is_greedy(temperature)
 
@@ -159,6 +163,7 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     report = {
         "draft": draft, "target": target_name, "dataset": dataset, "temperature": temperature,
         "num_samples": len(samples), "block_size": gamma, "max_new_tokens": max_new_tokens,
+        "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
         **acceptance_metrics(rounds, gamma),
         "exact_match": (sum(s["exact"] for s in samples) / max(len(samples), 1)) if greedy else None,
         "spec_tokens_per_s": spec_tokens / spec_time if spec_time else 0.0,

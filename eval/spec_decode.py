@@ -144,6 +144,9 @@ class DSparkDrafter(Drafter):
     position is < anchor. The projection runs when the next block is drafted, so a round's draft time holds all of
     the drafter's work (as Eagle3's does). use_cache=False calls `DSparkModel.forward` on the full context every
     round: the reference the cached path is tested against.
+
+    A draft with a drafting vocabulary (`model.draft_vocab`, token_map.pt) scores those rows of lm_head and the
+    Markov head only, as one packed matrix built per generation (the weights may change between generations: OPD).
     """
 
     def __init__(self, model: DSparkModel, use_cache: bool = True):
@@ -158,8 +161,16 @@ class DSparkDrafter(Drafter):
         self.hidden = target_hidden  # the verified positions' states: all of them (recompute) or those not cached yet
         self.context = ContextCache()
         # per generation: the weights cannot change within one
-        markov = self.model.markov_head
-        self.w2_norms = None if markov is None else markov.markov_w2.weight.norm(dim=1)
+        model, vocab = self.model, self.model.draft_vocab
+        self.head = model.lm_head
+        self.w2 = None if model.markov_head is None else model.markov_head.markov_w2.weight
+        if vocab is not None:
+            with torch.inference_mode(False):  # an inference tensor cannot be packed (it keeps no version counter)
+                self.head = torch.nn.Linear(model.config.hidden_size, len(vocab), bias=False).requires_grad_(False)
+                self.head.weight.data = model.lm_head.weight[vocab]
+                pack_linears(self.head)
+            self.w2 = None if self.w2 is None else self.w2[vocab]
+        self.w2_norms = None if self.w2 is None else self.w2.norm(dim=1)
 
     @torch.no_grad()
     def accept(self, num_accepted, next_token, target_hidden):
@@ -196,22 +207,26 @@ class DSparkDrafter(Drafter):
         # (once per token, it cost more than the rest of the draft together). DFlash has no head: lm_head alone.
         markov = model.markov_head
         rnn = markov is not None and markov.head_type == "rnn"
-        base = vocab_logits(h, model.lm_head.weight)
+        base = vocab_logits(h, self.head.weight)
+        vocab = model.draft_vocab
         if markov is None and is_greedy(temperature):  # DFlash at T=0: every draft at once
-            tokens = argmax(base)
+            tokens = argmax(base) if vocab is None else vocab[argmax(base)].tolist()
             self.last = Proposal(tokens, None, self._confidences(h, [self.tokens[-1], *tokens][:len(tokens)]))
             return self.last
         tokens, probs, prev = [], [], [self.tokens[-1]]
         for k in range(h.shape[0]):
             if markov is None:
-                token, p = pick(base[k], temperature, generator)
+                index, p = pick(base[k], temperature, generator)
             else:
                 start = 0 if rnn else k
                 u = markov.features(h[start: k + 1], torch.tensor(prev[start:], device=device))[-1]
                 if is_greedy(temperature):
-                    token, p = argmax_with_low_rank_bias(base[k], markov.markov_w2.weight, u, self.w2_norms), None
+                    index, p = argmax_with_low_rank_bias(base[k], self.w2, u, self.w2_norms), None
                 else:
-                    token, p = pick(base[k] + markov.markov_w2(u), temperature, generator)
+                    index, p = pick(base[k] + self.w2 @ u, temperature, generator)
+            token = index if vocab is None else int(vocab[index])
+            if p is not None and vocab is not None:  # the proposal over the whole vocabulary, zero outside
+                p = p.new_zeros(model.config.vocab_size).index_copy_(0, vocab, p)
             tokens.append(token)
             probs.append(p)
             prev.append(token)
@@ -395,10 +410,14 @@ class DraftLMDrafter(Drafter):
 DRAFTERS = {DSparkModel: DSparkDrafter, Eagle3Model: Eagle3Drafter}
 
 
-def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None, any_target: bool = False) -> Drafter:
+def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None, any_target: bool = False,
+               full_vocab: bool = False) -> Drafter:
     """The drafter saved in `draft_dir` (a training draft folder or a serving export), on the target's device, in
-    `dtype` (default: the target's dtype); a target with other weights than its own is refused unless `any_target`."""
+    `dtype` (default: the target's dtype); a target with other weights than its own is refused unless `any_target`.
+    full_vocab: draft over the whole vocabulary even where the folder has a token map, as the serving engines do."""
     model = load_draft_model(draft_dir, target_model, dtype=dtype, any_target=any_target)
+    if full_vocab and isinstance(model, DSparkModel):
+        model.draft_vocab = None
     pack_linears(model)  # frozen: oneDNN products on a CPU, as the target's (modeling/cpu_linear.py)
     return DRAFTERS[type(model)](model)
 

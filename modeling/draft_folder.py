@@ -11,6 +11,9 @@ from pathlib import Path
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# optional: a block draft's drafting vocabulary, a torch-saved 1-D tensor of target ids (the form of SGLang's
+# --speculative-token-map files); absent = the whole vocabulary
+TOKEN_MAP_NAME = "token_map.pt"
 # config.json's architectures[0] of each draft the registry loads (modeling.registry.ARCHITECTURES, checked there)
 ARCHITECTURE_NAMES = ("Qwen3DSparkModel", "LlamaForCausalLMEagle3")
 

@@ -358,6 +358,10 @@ class DSparkModel(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.rotary_emb = Qwen3RotaryEmbedding(config)  # non-persistent buffers only: nothing in the state dict
+        # The target ids drafts are chosen among (None: all): the loss vocabulary a recipe trained over
+        # (loss.vocab_size), outside which the head learned nothing. Kept beside the weights as token_map.pt
+        # (modeling/registry.py), not in the state dict the serving engines load.
+        self.register_buffer("draft_vocab", None, persistent=False)
         rank = config.markov_rank
         # DFlash (rank 0, no confidence head) must have no extra parameters at all, so the heads are None, not empty.
         self.markov_head = MarkovHead(hidden, vocab, rank, config.markov_head_type) if rank > 0 else None
@@ -520,6 +524,11 @@ class DSparkModel(nn.Module):
         if self.markov_head is not None:
             logits = logits + self.markov_head(draft_hidden, prev_ids, vocab_ids)
         return logits
+
+    def greedy_drafts(self, draft_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """[..., gamma] the argmax drafts (target ids, among draft_vocab) given the previous tokens (teacher-forced)."""
+        drafts = self.draft_logits(draft_hidden, prev_ids, self.draft_vocab).argmax(-1)
+        return drafts if self.draft_vocab is None else self.draft_vocab[drafts]
 
     def confidence_logits(self, draft_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """[..., gamma, H], [..., gamma] -> [..., gamma] logits of P(accept k | drafts < k accepted)."""

@@ -1,6 +1,7 @@
 """The drafter registry: one entry per draft architecture, keyed by config.json's `architectures[0]`.
 
-A draft folder is `config.json` (a transformers config) + `model.safetensors` (the model's own state-dict keys).
+A draft folder is `config.json` (a transformers config) + `model.safetensors` (the model's own state-dict keys), and
+for a block draft trained over a reduced vocabulary `token_map.pt`, the target ids it drafts among.
 Training writes it (`save_draft`), eval and the live check load it (`load_draft_model`), export reads its expected
 tensor names and shapes from the registry's model built on the meta device (`meta_model`): every place that saves,
 detects or loads a draft goes through this file.
@@ -23,7 +24,8 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 from core.io import publish_dir, sha256_file
 from core.recipe import FAMILIES
-from modeling.draft_folder import ARCHITECTURE_NAMES, CONFIG_NAME, WEIGHTS_NAME, architecture_name, read_config
+from modeling.draft_folder import (ARCHITECTURE_NAMES, CONFIG_NAME, TOKEN_MAP_NAME, WEIGHTS_NAME, architecture_name,
+                                   read_config)
 from modeling.dspark import DSparkModel
 from modeling.eagle3 import Eagle3Model
 from modeling.target import weights_fingerprint
@@ -97,7 +99,21 @@ def save_draft(model: nn.Module, path) -> Path:
     with publish_dir(path) as tmp:
         config.save_pretrained(tmp)
         save_file(state, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+        if getattr(model, "draft_vocab", None) is not None:
+            torch.save(model.draft_vocab.detach().to("cpu"), tmp / TOKEN_MAP_NAME)
     return Path(path)
+
+
+def read_token_map(draft_dir, vocab_size: int) -> torch.Tensor | None:
+    """The draft folder's drafting vocabulary (sorted distinct target ids < vocab_size), or None without one."""
+    path = Path(draft_dir) / TOKEN_MAP_NAME
+    if not path.is_file():
+        return None
+    ids = torch.as_tensor(torch.load(path, weights_only=True)).long()
+    if ids.dim() != 1 or not len(ids) or ids.min() < 0 or ids.max() >= vocab_size or len(ids.unique()) != len(ids):
+        raise ValueError(f"{path}: expected a 1-D list of distinct target ids in [0, {vocab_size}); delete it to "
+                         "draft over the whole vocabulary")
+    return ids.sort().values
 
 
 class TargetMismatchError(ValueError):
@@ -140,6 +156,8 @@ def load_draft_model(draft_dir, target_model=None, *, dtype: torch.dtype | None 
             source = target_model.get_input_embeddings() if arch.target_weights[name] == "embed" \
                 else target_model.get_output_embeddings()
             model.get_parameter(name).copy_(source.weight)
+    if isinstance(model, DSparkModel):
+        model.draft_vocab = read_token_map(draft_dir, model.config.vocab_size)
     if target_model is not None:
         param = next(target_model.parameters())
         model.to(device=param.device, dtype=dtype or param.dtype)

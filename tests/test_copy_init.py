@@ -12,9 +12,9 @@ from eval.replay import replay_records
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.target import capture_hidden_states
 from train.algorithms import _init_draft
-from train.copy_init import init_copy_attention
+from train.copy_init import MATCH_DIMS, freeze_copy_attention, init_copy_attention
 
-VOCAB, HIDDEN, LAYER_IDS = 200, 96, [0, 1, 3]
+VOCAB, HIDDEN, LAYER_IDS = 200, 128, [0, 1, 3]
 
 
 class Records(list):
@@ -27,7 +27,7 @@ class Records(list):
 @pytest.fixture(scope="module")
 def target_and_records():
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=4,
-                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False)
     torch.manual_seed(0)
     target = LlamaForCausalLM(config).eval().requires_grad_(False)
@@ -71,7 +71,38 @@ def test_the_copy_start_drafts_what_prompt_lookup_would(target_and_records, reco
     assert after["accept_len"] > before["accept_len"] + 0.3
 
 
+def test_the_frozen_copy_start_stays_as_fitted_while_the_rest_trains(target_and_records):
+    target, records = target_and_records
+    model = draft(target).train()
+    init_copy_attention(model, records, kv_heads=1)  # one of the two key/value heads copies, the other trains
+    freeze_copy_attention(model, kv_heads=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                                  weight_decay=0.0)  # the recipes' train.weight_decay
+    record = records[0]
+    for _ in range(3):
+        states = model(record["input_ids"][None].long().clone(), record["hidden_states"][None].float().clone(),
+                       torch.tensor([[12, 24, 36]]), attn_impl="sdpa")
+        optimizer.zero_grad()
+        states.pow(2).mean().backward()
+        optimizer.step()
+    after = model.state_dict()
+    attn = model.layers[0].self_attn
+    kv_rows = attn.head_dim
+    q_rows = kv_rows * attn.num_heads // attn.num_kv_heads
+    kept = {"fc.weight": MATCH_DIMS + kv_rows, "layers.0.self_attn.q_proj.weight": q_rows,
+            "layers.0.self_attn.k_proj.weight": kv_rows, "layers.0.self_attn.v_proj.weight": kv_rows}
+    for name, rows in kept.items():
+        assert torch.equal(after[name][:rows], before[name][:rows]), name
+        assert not torch.equal(after[name][rows:], before[name][rows:]), name  # the rest does train
+    o_proj = "layers.0.self_attn.o_proj.weight"
+    assert torch.equal(after[o_proj][:, :q_rows], before[o_proj][:, :q_rows])
+    assert not torch.equal(after[o_proj][:, q_rows:], before[o_proj][:, q_rows:])
+    assert torch.equal(after["layers.0.self_attn.q_norm.weight"], before["layers.0.self_attn.q_norm.weight"])
+    assert not torch.equal(after["layers.0.mlp.up_proj.weight"], before["layers.0.mlp.up_proj.weight"])
+
+
 def test_eagle3_refuses_the_copy_start():
-    recipe = load_recipe("eagle3_smollm2_135m", ["draft.init_copy=true"])
-    with pytest.raises(ValueError, match="draft.init_copy=false"):
+    recipe = load_recipe("eagle3_smollm2_135m", ["draft.init_copy=trained"])
+    with pytest.raises(ValueError, match="draft.init_copy=none"):
         _init_draft(torch.nn.Linear(1, 1), recipe, None, None)

@@ -405,7 +405,7 @@ def test_init_from_target_and_normalized_fc():
     draft = make_model(markov_rank=4)
     plain_fc = draft.fc.weight.clone()
     recipe = SimpleNamespace(draft=SimpleNamespace(init_layers="target", init_fc="normalized", init_norm="target",
-                                                   markov_init="zero_w2"))
+                                                   markov_init="zero_w2", init_copy="none"))
     _init_draft(draft, recipe, target, records)
     last = target.model.layers[-1]
     assert torch.equal(draft.layers[-1].mlp.up_proj.weight, last.mlp.up_proj.weight)

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.spec_decode import (
@@ -93,9 +94,21 @@ def make_draft_lm(target, noise=0.002, seed=3):
     return model
 
 
+def with_draft_vocab(model: DSparkModel) -> DSparkModel:
+    """Drafting among a third of the vocabulary (a token map): the drafts it would pick over all of it are mostly
+    outside, so the restriction decides them."""
+    model.draft_vocab = torch.randperm(V, generator=torch.Generator().manual_seed(6))[: V // 3].sort().values
+    return model
+
+
 def make_drafter(name, target) -> Drafter:
     if name == "dspark":
         return DSparkDrafter(make_dspark(target))
+    if name == "dspark-vocab":
+        return DSparkDrafter(with_draft_vocab(make_dspark(target)))
+    if name == "dflash-vocab":
+        return DSparkDrafter(with_draft_vocab(make_dspark(target, markov_rank=0, confidence=False,
+                                                          anchor_first=False)))
     if name == "dspark-rnn":
         return DSparkDrafter(make_dspark(target, head="rnn"))
     if name == "dflash":
@@ -126,7 +139,8 @@ class ScriptedDrafter(OracleDrafter):
 # --- T=0: output identical to plain greedy decoding ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["dspark", "dspark-rnn", "dflash", "eagle3", "ngram", "draft-lm"])
+@pytest.mark.parametrize("name", ["dspark", "dspark-rnn", "dflash", "dspark-vocab", "dflash-vocab", "eagle3", "ngram",
+                                  "draft-lm"])
 def test_greedy_is_lossless(target, name):
     drafter = make_drafter(name, target)
     accepted, partial = 0, 0
@@ -294,7 +308,7 @@ def test_vocab_logits_is_the_linear_head(rows):
 # --- drafter internals ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash"])
+@pytest.mark.parametrize("kind", ["dspark", "dspark-rnn", "dflash", "dspark-vocab", "dflash-vocab"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_dspark_context_cache_matches_recompute(target, kind, temperature):
     model = make_drafter(kind, target).model
@@ -314,8 +328,14 @@ def test_dspark_context_cache_matches_recompute(target, kind, temperature):
             states = cached.block_states()
             prev = torch.tensor([cached.tokens[-1]] + a.tokens[:-1])
             forced = model.draft_logits(states, prev)
+            if model.draft_vocab is not None:  # outside the token map: never drafted
+                outside = torch.ones(V, dtype=torch.bool)
+                outside[model.draft_vocab] = False
+                forced[:, outside] = -float("inf")
+                assert set(a.tokens) <= set(model.draft_vocab.tolist())
         if temperature == 0:
             assert forced.argmax(-1).tolist() == a.tokens
+            assert model.greedy_drafts(states, prev).tolist() == a.tokens  # what the replay drafts
         else:
             torch.testing.assert_close(a.probs, torch.softmax(forced, -1), atol=1e-5, rtol=1e-5)
         if model.confidence_head is not None:
@@ -392,6 +412,17 @@ def test_load_draft_round_trip(target, tmp_path):
     served = load_draft(export_draft(tmp_path / "dspark", "sglang", tmp_path / "export"), target)
     torch.testing.assert_close(served.model.lm_head.weight, target.lm_head.weight)
     torch.testing.assert_close(served.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert served.model.draft_vocab is None and loaded.model.draft_vocab is None
+
+    # A drafting vocabulary travels beside the weights (token_map.pt), not in them; --full-vocab ignores it.
+    save_draft(with_draft_vocab(make_dspark(target)), tmp_path / "dspark-vocab")
+    assert set(load_file(str(tmp_path / "dspark-vocab" / "model.safetensors"))) == set(dspark.state_dict())
+    mapped = load_draft(tmp_path / "dspark-vocab", target)
+    assert torch.equal(mapped.model.draft_vocab, with_draft_vocab(dspark).draft_vocab)
+    assert load_draft(tmp_path / "dspark-vocab", target, full_vocab=True).model.draft_vocab is None
+    torch.save(torch.tensor([3, V]), tmp_path / "dspark-vocab" / "token_map.pt")
+    with pytest.raises(ValueError, match="token_map.pt"):
+        load_draft(tmp_path / "dspark-vocab", target)
 
     eagle = make_eagle3(target)
     save_draft(eagle, tmp_path / "eagle3")
@@ -533,12 +564,15 @@ def bigram_pair():
     return target, DSparkDrafter(draft)
 
 
-@pytest.mark.parametrize("name", ["dspark-bigram", "dspark", "dspark-rnn", "dflash", "eagle3"])
+@pytest.mark.parametrize("name", ["dspark-bigram", "dspark-bigram-vocab", "dspark", "dspark-rnn", "dflash",
+                                  "dspark-vocab", "eagle3"])
 def test_replay_gives_the_loops_rounds(name, target):
     from train.rollout import answer_span, draft_matches, replay_rounds
 
-    if name == "dspark-bigram":
+    if name.startswith("dspark-bigram"):
         target, drafter = bigram_pair()
+        if name.endswith("-vocab"):  # the bigram's successors outside the map are never drafted: shorter runs
+            drafter = DSparkDrafter(with_draft_vocab(drafter.model))
     else:
         drafter = make_drafter(name, target)
     gamma = 3 if name == "eagle3" else GAMMA
@@ -555,6 +589,8 @@ def test_replay_gives_the_loops_rounds(name, target):
         loop = [r.accepted for r in result.rounds]
         if name == "dspark-bigram":
             assert result.accept_len > 3  # the case that exercises long accepted runs
+        if name == "dspark-bigram-vocab":
+            assert 1.0 < result.accept_len < 2.5  # runs cut where the successor is outside the map (a third is in)
         # the loop's last round may accept drafts past the budget, which the cached answer does not hold
         assert [r.accepted for r in replayed][:-1] == loop[:-1] and replayed[-1].accepted <= loop[-1]
         assert len(replayed) == len(loop)

@@ -95,12 +95,18 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     if family == "dspark":  # Markov rows outside the loss vocabulary: zero (no bias) and never trained
         trained_rows = weights["markov_head.markov_w2.weight"].abs().sum(1) > 0
         assert 0 < int(trained_rows.sum()) <= 512
+        # and it drafts among those 512 tokens (token_map.pt), which the eval stage reports
+        token_map = torch.load(final / "token_map.pt", weights_only=True)
+        assert len(token_map) == 512 and bool(trained_rows[token_map].all())
+    else:
+        assert not (final / "token_map.pt").exists()
     # tensorboard and offline wandb both got the run
     assert list((out / "train" / "tensorboard").glob("events.*"))
     assert list((out / "train" / "wandb").glob("offline-run-*/run-*.wandb"))
     # the eval stage ran the trained drafter losslessly and printed tau
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["exact_match"] == 1.0 and report["block_size"] == 3
+    assert report["draft_vocab_size"] == (512 if family == "dspark" else None)
     assert json.loads((out / "eval" / "DONE.json").read_text()) == {"accept_len": report["accept_len"]}
     assert "[eval]" in done.stdout and f"tau {report['accept_len']:.3f}" in done.stdout
     # and the export stage wrote the SGLang checkpoint of the family's serving algorithm

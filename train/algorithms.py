@@ -22,7 +22,7 @@ from modeling.dspark import DSparkModel, block_targets, build_dspark_config, sam
 from data.capture import read_loss_token_counts
 from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping, target_to_draft, ttt_valid_mask
 from modeling.registry import architecture_for_family, save_draft
-from train.copy_init import init_copy_attention
+from train.copy_init import freeze_copy_attention, init_copy_attention
 from train.loss import block_loss, block_weight_sum, eagle3_loss, eagle3_weight_sum
 
 # SmolLM2's vocabulary has no MASK token, and SGLang needs an id inside the target vocabulary (it reads the mask
@@ -113,17 +113,19 @@ class _TrainModule(torch.nn.Module):
 def _init_draft(draft, recipe, target, cache) -> None:
     """The recipe's starts (draft.init_*): from the target's layers and norm, and fc's columns scaled to the data."""
     d = recipe.draft
-    if d.init_copy and not isinstance(draft, DSparkModel):
+    if d.init_copy != "none" and not isinstance(draft, DSparkModel):
         raise ValueError(f"draft.init_copy starts a block drafter's attention (dspark, dflash); the {recipe.family} "
-                         "draft has none to start: set draft.init_copy=false")
+                         "draft has none to start: set draft.init_copy=none")
     kwargs = {"markov": d.markov_init} if isinstance(draft, DSparkModel) else {}
     draft.init_from_target(target, layers=d.init_layers, fc="last" if d.init_fc == "last" else "random",
                            norm=d.init_norm, **kwargs)
     if d.init_fc == "normalized":
         with torch.no_grad():
             draft.fc.weight.div_(input_scale(cache)[None, :].to(draft.fc.weight))
-    if d.init_copy:
+    if d.init_copy != "none":
         init_copy_attention(draft, cache)
+    if d.init_copy == "frozen":
+        freeze_copy_attention(draft)
 
 
 # --- DSpark / DFlash ----------------------------------------------------------------------------------------------
@@ -192,9 +194,12 @@ class BlockAlgorithm:
             _, t2d = build_vocab_mapping(read_loss_token_counts(cache, vocab), min(recipe.loss.vocab_size, vocab))
             if draft.markov_head is not None:
                 # Rows outside the loss vocabulary get no gradient: zero, their Markov bias is none rather than noise
-                # when the drafter drafts over the whole vocabulary.
+                # where the drafter drafts over the whole vocabulary (the serving engines, eval.py --full-vocab).
                 with torch.no_grad():
                     draft.markov_head.markov_w2.weight[~t2d] = 0.0
+            # and it drafts among those tokens only: its head learned nothing outside them, and a head of 8192 rows
+            # costs a sixth of 49,152 (saved with every checkpoint as token_map.pt; eval.py --full-vocab ignores it)
+            draft.draft_vocab = t2d.nonzero().squeeze(1)
         return BlockTrainModule(draft.float(), recipe, t2d)
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""A block drafter's first attention layer started as a copy mechanism (recipe `draft.init_copy: true`).
+"""A block drafter's first attention layer started as a copy mechanism (recipe `draft.init_copy: trained` or `frozen`).
 
 Prompt lookup, free, gets ~46% of SmolLM2's held-out answer tokens right (the token after an earlier occurrence of
 the pending token), and a block drafter trained from N(0, 0.02) learns none of it at CPU scale (README, "Copying from
@@ -38,47 +38,56 @@ def _leading_directions(gram: torch.Tensor, read: torch.Tensor, count: int) -> t
     return vectors[:, values.argsort(descending=True)[:count]].T
 
 
-def fit_copy_maps(draft, cache, max_records: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fit_copy_maps(draft, cache, kv_heads: int | None = None,
+                  max_records: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(match_read [H, H], match_dirs [m, H], value_read [H, H], value_dirs [kv*hd, H]) from the first cached
     conversations: first captured layer -> the token's embedding, last captured layer -> the final-norm state, and the
     leading directions of each read (position 0, the attention sink, left out). Sums of products only, so the memory
-    is a few [H, H] matrices whatever the data."""
+    is a few [H, H] matrices whatever the data; with online hidden states the target computes them, 8 records at a
+    time. The ridge penalty keeps the fit defined on few positions (a test's handful), if poor."""
     config = draft.config
     hidden, layers = config.hidden_size, len(config.target_layer_ids)
-    embed = draft.embed_tokens.weight.detach().double()
+    embed = draft.embed_tokens.weight.detach().cpu().double()
     sums = {name: torch.zeros(hidden, hidden, dtype=torch.float64) for name in ("ff", "fe", "ll", "lf")}
-    count = 0
-    for i in range(min(len(cache), max_records)):
-        record = cache.with_hidden([cache[i]])[0]
-        states = record["hidden_states"][1:].double().view(-1, layers, hidden)
-        first, last = states[:, 0], states[:, -1]
-        sums["ff"] += first.T @ first
-        sums["fe"] += first.T @ embed[record["input_ids"][1:].long()]
-        sums["ll"] += last.T @ last
-        sums["lf"] += last.T @ record["last_hidden_state"][1:].double()
-        count += len(first)
-    if count < hidden:
-        raise ValueError(f"draft.init_copy fits the copy attention on the cache: {count} positions in the first "
-                         f"{max_records} conversations, fewer than the hidden size {hidden}; use more data or "
-                         "draft.init_copy=false")
+    count = min(len(cache), max_records)
+    if not count:
+        raise ValueError("draft.init_copy fits the copy attention on the training data, and there is none")
+    for start in range(0, count, 8):
+        for record in cache.with_hidden([cache[i] for i in range(start, min(start + 8, count))]):
+            states = record["hidden_states"][1:].cpu().double().view(-1, layers, hidden)
+            first, last = states[:, 0], states[:, -1]
+            sums["ff"] += first.T @ first
+            sums["fe"] += first.T @ embed[record["input_ids"][1:].long().cpu()]
+            sums["ll"] += last.T @ last
+            sums["lf"] += last.T @ record["last_hidden_state"][1:].cpu().double()
     match_read = _ridge(sums["ff"], sums["fe"], 1e-2)
     value_read = _ridge(sums["ll"], sums["lf"], 1e-3)
     attn = draft.layers[0].self_attn
     return (match_read, _leading_directions(sums["ff"], match_read, MATCH_DIMS),
-            value_read, _leading_directions(sums["ll"], value_read, attn.num_kv_heads * attn.head_dim))
+            value_read, _leading_directions(sums["ll"], value_read, _copy_heads(attn, kv_heads)[0] * attn.head_dim))
+
+
+def _copy_heads(attn, kv_heads: int | None) -> tuple[int, int]:
+    """(key/value heads, query heads) that copy: the first `kv_heads` (None: all) and their query heads. All copy in
+    the recipes: on SmolLM2 one of three, leaving the others free to train, gave 1.333 held-out at 560 steps frozen,
+    all three 1.348 (README)."""
+    kv_heads = attn.num_kv_heads if kv_heads is None else min(kv_heads, attn.num_kv_heads)
+    return kv_heads, kv_heads * attn.num_heads // attn.num_kv_heads
 
 
 @torch.no_grad()
-def init_copy_attention(draft, cache) -> None:
-    """Layer 0's attention of a DSpark/DFlash draft, fc's first rows and hidden_norm set as the module docstring says."""
-    match_read, match_dirs, value_read, value_dirs = (t.float() for t in fit_copy_maps(draft, cache))
+def init_copy_attention(draft, cache, kv_heads: int | None = None) -> None:
+    """Layer 0's attention of a DSpark/DFlash draft (its first `kv_heads` key/value heads and their query heads; None:
+    all), fc's first rows and hidden_norm set as the module docstring says."""
+    match_read, match_dirs, value_read, value_dirs = (t.float() for t in fit_copy_maps(draft, cache, kv_heads))
     hidden = draft.config.hidden_size
     attn = draft.layers[0].self_attn
-    head_dim, heads, kv_heads = attn.head_dim, attn.num_heads, attn.num_kv_heads
-    if heads % kv_heads or head_dim % 2 or MATCH_DIMS > head_dim:
-        raise ValueError(f"draft.init_copy needs heads ({heads}) a multiple of kv heads ({kv_heads}) and head_dim "
+    head_dim, heads, groups = attn.head_dim, attn.num_heads, attn.num_kv_heads
+    if heads % groups or head_dim % 2 or MATCH_DIMS > head_dim:
+        raise ValueError(f"draft.init_copy needs heads ({heads}) a multiple of kv heads ({groups}) and head_dim "
                          f"({head_dim}) even and >= {MATCH_DIMS}")
-    m, v = MATCH_DIMS, kv_heads * head_dim
+    copy_kv, copy_q = _copy_heads(attn, kv_heads)
+    m, v = MATCH_DIMS, copy_kv * head_dim
     if m + v > hidden:
         raise ValueError(f"draft.init_copy needs {m + v} context dimensions, the draft has {hidden}")
     fc = draft.fc.weight
@@ -90,10 +99,11 @@ def init_copy_attention(draft, cache) -> None:
     half = head_dim // 2
     low = torch.arange(half - m // 2, half)
     dims = torch.cat([low, low + half])
-    for weight in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight):
-        weight.zero_()
-    group = heads // kv_heads
-    for g in range(kv_heads):
+    for weight in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
+        weight[: (copy_q if weight is attn.q_proj.weight else copy_kv) * head_dim] = 0.0
+    attn.o_proj.weight[:, : copy_q * head_dim] = 0.0
+    group = heads // groups
+    for g in range(copy_kv):
         attn.k_proj.weight[g * head_dim + dims, torch.arange(m)] = 1.0
         attn.v_proj.weight[g * head_dim: (g + 1) * head_dim, m + g * head_dim: m + (g + 1) * head_dim] = \
             torch.eye(head_dim)
@@ -104,3 +114,30 @@ def init_copy_attention(draft, cache) -> None:
     attn.q_norm.weight.fill_(1.0)
     attn.q_norm.weight[dims] = QUERY_GAIN
     attn.k_norm.weight.fill_(1.0)
+
+
+def freeze_copy_attention(draft, kv_heads: int | None = None) -> None:
+    """Keep the fitted copy path as fitted while the rest of the drafter trains (draft.init_copy: frozen): layer 0's
+    copying heads' projections and layer 0's q/k norms frozen, and fc's rows that feed them: their gradient is zeroed
+    (so AdamW, whose moments stay zero there, never moves them; a train.weight_decay above the default 0 still shrinks
+    them). Trained along with the rest, the copy start was gone within ~100 steps (README, "Copying from the
+    context")."""
+    attn = draft.layers[0].self_attn
+    copy_kv, copy_q = _copy_heads(attn, kv_heads)
+    attn.q_norm.requires_grad_(False)
+    attn.k_norm.requires_grad_(False)
+    _keep(draft.fc.weight, slice(0, MATCH_DIMS + copy_kv * attn.head_dim))
+    _keep(attn.q_proj.weight, slice(0, copy_q * attn.head_dim))
+    _keep(attn.k_proj.weight, slice(0, copy_kv * attn.head_dim))
+    _keep(attn.v_proj.weight, slice(0, copy_kv * attn.head_dim))
+    _keep(attn.o_proj.weight, (slice(None), slice(0, copy_q * attn.head_dim)))
+
+
+def _keep(weight: torch.Tensor, index) -> None:
+    """Zero `weight`'s gradient at `index` on every backward."""
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        grad[index] = 0.0
+        return grad
+
+    weight.register_hook(hook)

@@ -49,7 +49,7 @@ def draft_matches(model, record: dict, gamma: int) -> torch.Tensor:
             anchors = torch.arange(start, min(seq, start + ANCHORS_PER_PASS), device=device)[None]
             labels, prev_ids, _, valid = block_targets(ids, everything, anchors, model.block_size)
             states = model(ids, hidden, anchors, attn_impl="sdpa")
-            drafts = model.draft_logits(states, prev_ids).argmax(-1)  # prev_ids: true tokens = the accepted drafts
+            drafts = model.greedy_drafts(states, prev_ids)  # prev_ids: true tokens = the accepted drafts
             out[anchors[0]] = ((drafts == labels) & valid)[0, :, :gamma]
         return out.cpu()
     if isinstance(model, Eagle3Model):
