@@ -13,8 +13,10 @@ target's states. So layer 0's attention starts as one:
   state), its 64 leading directions per key/value head, written back into the residual stream by o_proj.
 
 fc's first rows feed both; its other rows, the other layers and heads keep their N(0, 0.02) start. Untrained, the
-drafter's first draft is then right at ~35% of the positions where lookup is right (a trained drafter: 24%). The
-weights keep the draft's names and shapes: export and serving see an ordinary drafter.
+drafter's first draft is then right at ~35% of the positions where lookup is right (a trained drafter: 24%). Trained
+with the rest (`trained`) that fades within ~100 steps; kept as fitted (`frozen`, the smollm2 DSpark recipe) it stays,
+and held-out tau at 560 steps was 1.348 against the plain start's 1.312. The weights keep the draft's names and
+shapes: export and serving see an ordinary drafter.
 """
 
 from __future__ import annotations
