@@ -161,7 +161,8 @@ class DSparkDrafter(Drafter):
         self.hidden = target_hidden  # the verified positions' states: all of them (recompute) or those not cached yet
         self.context = ContextCache()
         # per generation: the weights cannot change within one
-        model, vocab = self.model, self.model.draft_vocab
+        model = self.model
+        self.vocab = vocab = model.draft_vocab  # with the head rows below
         self.head = model.lm_head
         self.w2 = None if model.markov_head is None else model.markov_head.markov_w2.weight
         if vocab is not None:
@@ -208,7 +209,7 @@ class DSparkDrafter(Drafter):
         markov = model.markov_head
         rnn = markov is not None and markov.head_type == "rnn"
         base = vocab_logits(h, self.head.weight)
-        vocab = model.draft_vocab
+        vocab = self.vocab
         if markov is None and is_greedy(temperature):  # DFlash at T=0: every draft at once
             tokens = argmax(base) if vocab is None else vocab[argmax(base)].tolist()
             self.last = Proposal(tokens, None, self._confidences(h, [self.tokens[-1], *tokens][:len(tokens)]))

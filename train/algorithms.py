@@ -135,11 +135,9 @@ class BlockTrainModule(_TrainModule):
     def __init__(self, draft: DSparkModel, recipe, loss_t2d: torch.Tensor | None = None):
         super().__init__()
         self.draft, self.recipe = draft, recipe
-        # loss.vocab_size: [V] bool, the target ids the softmaxes run over (Eagle3's t2d form), and those ids in
-        # order. Rebuilt from the cache at every start, so neither is saved.
+        # loss.vocab_size: [V] bool, the target ids the softmaxes run over (Eagle3's t2d form); those ids in order are
+        # the draft's drafting vocabulary (draft.draft_vocab). Rebuilt from the cache at every start: not in the state.
         self.register_buffer("loss_t2d", loss_t2d, persistent=False)
-        self.register_buffer("loss_vocab", None if loss_t2d is None else loss_t2d.nonzero().squeeze(1),
-                             persistent=False)
 
     #: the optimizer step being computed; the trainer sets it before each forward (loss.ce_warmup_steps reads it).
     step: int = 0
@@ -161,7 +159,7 @@ class BlockTrainModule(_TrainModule):
         target_hidden = batch["last_hidden_state"][rows, batch["target_pos"].clamp(min=0)]  # [B, A, gamma, H]
         labels, valid = batch["labels"][keep], batch["valid"][keep]
         target_labels = loss.ce_labels == "target"
-        if self.loss_vocab is not None and not target_labels:
+        if self.loss_t2d is not None and not target_labels:
             # A label outside the loss vocabulary weighs nothing (it still counts in the batch's denominator, which
             # make_batch computed without the vocabulary: a constant share of ~1% of predictions).
             labels = target_to_draft(labels, self.loss_t2d)
@@ -172,7 +170,7 @@ class BlockTrainModule(_TrainModule):
                           conf_alpha=conf_alpha, gamma_decay=loss.loss_decay_gamma,
                           # DFlash too by default: the training tau estimate needs the target distribution
                           accept_stats=loss.accept_stats, use_checkpoint=loss.checkpoint,
-                          soft_ce_alpha=loss.soft_ce_alpha, vocab_ids=self.loss_vocab,
+                          soft_ce_alpha=loss.soft_ce_alpha, vocab_ids=self.draft.draft_vocab,
                           target_labels=target_labels)
 
 

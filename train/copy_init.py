@@ -101,8 +101,9 @@ def init_copy_attention(draft, cache, kv_heads: int | None = None) -> None:
     half = head_dim // 2
     low = torch.arange(half - m // 2, half)
     dims = torch.cat([low, low + half])
-    for weight in (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight):
-        weight[: (copy_q if weight is attn.q_proj.weight else copy_kv) * head_dim] = 0.0
+    attn.q_proj.weight[: copy_q * head_dim] = 0.0
+    attn.k_proj.weight[: copy_kv * head_dim] = 0.0
+    attn.v_proj.weight[: copy_kv * head_dim] = 0.0
     attn.o_proj.weight[:, : copy_q * head_dim] = 0.0
     group = heads // groups
     for g in range(copy_kv):
