@@ -20,7 +20,10 @@ the n-gram drafter and plain HF `generate`, in one run.
 4. Evaluates every final draft with the real speculative loop (T=0, gamma 7) on the eval prompts, with the n-gram
    drafter and plain HF generate on the same prompts: tau, accept_rate@k, exact_match, speedup.
 
-Writes OUT/quality.json, OUT/quality.md and OUT/learning_curve.png (held-out tau against training minutes).
+Writes OUT/quality.json, OUT/quality.md and OUT/learning_curve.png (held-out tau against training minutes). Each
+final draft is also replayed on its training records and on unseen prompts of the training sources (their holdout
+split), which splits its gap into memorisation and domain shift. --curve-only stops before the real loop
+(OUT/curves.json): arms that compare training settings at equal steps need only the curves.
 """
 
 from __future__ import annotations
@@ -191,6 +194,13 @@ def markdown(result: dict) -> str:
                           "last checkpoint) is right there, and elsewhere:", ""]
             lines += [f"- {f}: {p['first_draft_right_at_lookup_hits']:.3f} where lookup is right, "
                       f"{p['first_draft_right_elsewhere']:.3f} elsewhere" for f, p in copying.items()]
+    split = {name: row["generalization"] for name, row in result["drafters"].items() if "generalization" in row}
+    if split:
+        lines += ["", "Where the gap is: each final draft replayed (tau) on its own training records, on prompts of "
+                      "the training sources it never saw, and on the held-out sources (training -> in-distribution: "
+                      "memorisation; in-distribution -> held-out sources: domain shift):", ""]
+        lines += [f"- {name}: " + ", ".join(f"{where} {tau:.3f}" for where, tau in taus.items())
+                  for name, taus in split.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -226,13 +236,47 @@ def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_n
     replay held-out tau. Returns (eval run, eval prompt file, eval source names)."""
     eval_file = out / "eval_prompts.jsonl"
     eval_sources = write_eval_prompts(eval_file, eval_per_source, gsm8k, seed=0)
-    num_eval = len(eval_file.read_text().splitlines())
     eval_run = out / "eval-data"
-    run_pipeline("dspark_smollm2_135m", eval_run, "regenerate,cache", nproc,
-                 sets(data__sources=f"[{{name: '{eval_file}'}}]", data__num_prompts=num_eval, data__holdout_fraction=0.0,
+    answer_and_cache(eval_file, eval_run, max_new_tokens, nproc, log)
+    return eval_run, eval_file, eval_sources
+
+
+def answer_and_cache(prompt_file: Path, run: Path, max_new_tokens: int, nproc: int, log: Path) -> None:
+    """First turns of `prompt_file` answered greedily by the target and cached, for replay (eval/replay.py)."""
+    count = len(prompt_file.read_text().splitlines())
+    run_pipeline("dspark_smollm2_135m", run, "regenerate,cache", nproc,
+                 sets(data__sources=f"[{{name: '{prompt_file}'}}]", data__num_prompts=count, data__holdout_fraction=0.0,
                       data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
                       regen__max_new_tokens=max_new_tokens, cache__encoding=EVAL_CACHE_ENCODING), log)
-    return eval_run, eval_file, eval_sources
+
+
+def prepare_in_distribution_data(out: Path, sources: str, count: int, max_new_tokens: int, nproc: int, log: Path,
+                                 overrides: list[str] = ()) -> Path:
+    """Prompts of the training sources that training never saw (their holdout split under the recipe's
+    data.holdout_fraction and seed), answered and cached like the held-out prompts: the same drafter replayed on them,
+    on the held-out sources and on its training records splits its gap into domain shift and memorisation."""
+    import yaml
+
+    from core.recipe import load_recipe
+    from data.prompts import load_prompts
+
+    recipe = load_recipe("dspark_smollm2_135m", list(overrides))
+    prompt_file = out / "in_distribution_prompts.jsonl"
+    prompts = load_prompts(yaml.safe_load(sources), count, recipe.data.holdout_fraction, recipe.seed, split="holdout")
+    prompt_file.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in prompts))
+    run = out / "in-distribution-data"
+    answer_and_cache(prompt_file, run, max_new_tokens, nproc, log)
+    return run
+
+
+def generalization(final: Path, caches: dict, count: int, gamma: int, max_new_tokens: int, eos_token_id) -> dict:
+    """Replayed tau of the final draft on the first `count` records of each cache (name -> cache)."""
+    from eval.replay import replay_records
+    from modeling.registry import load_draft_model
+
+    model = load_draft_model(final).float()
+    return {name: replay_records(model, [cache[i] for i in range(min(count, len(cache)))], gamma, max_new_tokens,
+                                 eos_token_id)["accept_len"] for name, cache in caches.items()}
 
 
 #: held-out tau is replayed from the target's own states, not from a compact copy of them (whatever the training
@@ -291,6 +335,9 @@ def main() -> int:
     parser.add_argument("--curve-points", type=int, default=5, help="checkpoints replayed for the curve (5)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite quality.md and learning_curve.png from OUT/quality.json, training nothing")
+    parser.add_argument("--curve-only", action="store_true",
+                        help="stop after the learning curves (OUT/curves.json): no real loop, no baselines; for "
+                             "comparing training arms at equal steps (the loop adds ~11 min on 2 CPU cores)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override for every family's training, e.g. --set train.lr=2e-3")
     parser.add_argument("--add-source", dest="extra_sources", action="append", default=[], type=parse_source,
@@ -315,12 +362,19 @@ def main() -> int:
         out, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log,
         args.train_data, args.regen_backend, args.extra_sources)
 
+    num_eval = len(eval_file.read_text().splitlines())
+    in_distribution_run = prepare_in_distribution_data(out, sources, num_eval, args.max_new_tokens, args.nproc, log,
+                                                       args.overrides)
+
     import torch
 
+    from core.recipe import load_recipe
+    from data.capture import open_cache
     from eval.run import run_eval
-    from modeling.target import load_target, load_tokenizer
+    from modeling.target import load_target, load_tokenizer, target_hidden_size
 
-    eos_token_id = load_tokenizer("smollm2-135m-instruct").eos_token_id  # a replayed answer ends where the loop stops
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    eos_token_id = tokenizer.eos_token_id  # a replayed answer ends where the loop stops
     train_manifest = json.loads((data_run / "cache" / "manifest.json").read_text())
 
     # --- 3. each family, the same budget ------------------------------------------------------------------------------
@@ -342,13 +396,36 @@ def main() -> int:
         wall_s = run_pipeline(recipe, run, "train", args.nproc,
                               extra_sets + sets(train__max_steps=steps, train__save_every=save_every,
                                                 train__keep_checkpoints=0), log)
-        eval_cache = open_eval_cache(recipe, eval_run)
-        curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id)
+        saved_curve = run / "curve.json"  # the checkpoints are deleted once read: a rerun reads the curve back
+        if saved_curve.is_file() and not any((run / "train" / "checkpoints").glob("step-*")):
+            curves[family] = json.loads(saved_curve.read_text())
+        else:
+            eval_cache = open_eval_cache(recipe, eval_run)
+            curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id)
+            saved_curve.write_text(json.dumps(curves[family], indent=1) + "\n")
         # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
+        saved_split = run / "generalization.json"
+        if not saved_split.is_file():
+            recipe_obj = load_recipe(recipe, args.overrides)
+            hidden = target_hidden_size(recipe_obj.target.name_or_path)
+            caches = {"training records": open_cache(recipe_obj, data_run / "cache", hidden, tokenizer),
+                      "in-distribution held-out": open_eval_cache(recipe, in_distribution_run),
+                      "held-out sources": open_eval_cache(recipe, eval_run)}
+            saved_split.write_text(json.dumps(generalization(run / "train" / "final", caches, num_eval, 7,
+                                                             args.max_new_tokens, eos_token_id)) + "\n")
         trained[family] = {"steps": steps, "train_s": curves[family][-1]["minutes"] * 60, "wall_s": wall_s,
-                           "probe_s_per_step": per_step}
+                           "probe_s_per_step": per_step, "generalization": json.loads(saved_split.read_text())}
         for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
             shutil.rmtree(ckpt)
+
+    if args.curve_only:
+        (out / "curves.json").write_text(json.dumps({"trained": trained, "curves": curves}, indent=1) + "\n")
+        for family, points in curves.items():
+            print(f"[quality] {family}: final draft replayed on " + ", ".join(
+                f"{name} {tau:.3f}" for name, tau in trained[family]["generalization"].items()))
+            print(f"[quality] {family}: replayed held-out tau " + " / ".join(
+                f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
+        return 0
 
     # --- 4. the real loop on the held-out prompts, baselines in the same process ------------------------------------
     target = load_target("smollm2-135m-instruct", "cuda" if torch.cuda.is_available() else "cpu")
