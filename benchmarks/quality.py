@@ -396,23 +396,23 @@ def main() -> int:
         wall_s = run_pipeline(recipe, run, "train", args.nproc,
                               extra_sets + sets(train__max_steps=steps, train__save_every=save_every,
                                                 train__keep_checkpoints=0), log)
+        eval_cache = open_eval_cache(recipe, eval_run)
         saved_curve = run / "curve.json"  # the checkpoints are deleted once read: a rerun reads the curve back
         if saved_curve.is_file() and not any((run / "train" / "checkpoints").glob("step-*")):
             curves[family] = json.loads(saved_curve.read_text())
         else:
-            eval_cache = open_eval_cache(recipe, eval_run)
             curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id)
             saved_curve.write_text(json.dumps(curves[family], indent=1) + "\n")
-        # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
         saved_split = run / "generalization.json"
         if not saved_split.is_file():
             recipe_obj = load_recipe(recipe, args.overrides)
             hidden = target_hidden_size(recipe_obj.target.name_or_path)
             caches = {"training records": open_cache(recipe_obj, data_run / "cache", hidden, tokenizer),
                       "in-distribution held-out": open_eval_cache(recipe, in_distribution_run),
-                      "held-out sources": open_eval_cache(recipe, eval_run)}
+                      "held-out sources": eval_cache}
             saved_split.write_text(json.dumps(generalization(run / "train" / "final", caches, num_eval, 7,
                                                              args.max_new_tokens, eos_token_id)) + "\n")
+        # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
         trained[family] = {"steps": steps, "train_s": curves[family][-1]["minutes"] * 60, "wall_s": wall_s,
                            "probe_s_per_step": per_step, "generalization": json.loads(saved_split.read_text())}
         for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
