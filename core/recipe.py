@@ -484,6 +484,10 @@ def _check_values(recipe: Recipe) -> None:
     if recipe.regen.backend == "source" and recipe.family in ("dspark", "dflash") and recipe.loss.ce_labels != "target":
         problems.append("regen.backend 'source' trains on the source's text, not the target's: block drafters need "
                         "loss.ce_labels=target (the target's own argmax as the label)")
+    if recipe.draft.init_copy == "frozen" and recipe.train.weight_decay > 0:
+        # freezing zeroes the copy path's gradient, but AdamW's decoupled decay would still shrink it every step
+        problems.append(f"train.weight_decay={recipe.train.weight_decay} would shrink the frozen copy attention of "
+                        "draft.init_copy=frozen: set train.weight_decay=0 or draft.init_copy=trained")
     if recipe.regen.backend == "openai" and not recipe.regen.server_urls:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
     problems += [f"regen.server_urls[{i}]: {url!r} is not an http(s) URL; write it as http://host:port"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from core.recipe import load_recipe
+from core.recipe import RecipeError, load_recipe
 from eval.replay import replay_records
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.target import capture_hidden_states
@@ -106,3 +106,10 @@ def test_eagle3_refuses_the_copy_start():
     recipe = load_recipe("eagle3_smollm2_135m", ["draft.init_copy=trained"])
     with pytest.raises(ValueError, match="draft.init_copy=none"):
         _init_draft(torch.nn.Linear(1, 1), recipe, None, None)
+
+
+def test_frozen_copy_refuses_weight_decay():
+    # AdamW's decoupled decay shrinks weights whose gradient is zeroed: the frozen copy path would fade silently
+    with pytest.raises(RecipeError, match="set train.weight_decay=0 or draft.init_copy=trained"):
+        load_recipe("dspark_smollm2_135m", ["train.weight_decay=0.01"])  # the recipe starts init_copy: frozen
+    assert load_recipe("dspark_smollm2_135m", ["train.weight_decay=0.01", "draft.init_copy=trained"])

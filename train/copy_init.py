@@ -122,9 +122,9 @@ def init_copy_attention(draft, cache, kv_heads: int | None = None) -> None:
 def freeze_copy_attention(draft, kv_heads: int | None = None) -> None:
     """Keep the fitted copy path as fitted while the rest of the drafter trains (draft.init_copy: frozen): layer 0's
     copying heads' projections and layer 0's q/k norms frozen, and fc's rows that feed them: their gradient is zeroed
-    (so AdamW, whose moments stay zero there, never moves them; a train.weight_decay above the default 0 still shrinks
-    them). Trained along with the rest, the copy start was gone within ~100 steps (README, "Copying from the
-    context")."""
+    (so AdamW, whose moments stay zero there, never moves them; a train.weight_decay above 0 would still shrink them,
+    so a recipe with both is refused). Trained along with the rest, the copy start was gone within ~100 steps (README,
+    "Copying from the context")."""
     attn = draft.layers[0].self_attn
     copy_kv, copy_q = _copy_heads(attn, kv_heads)
     attn.q_norm.requires_grad_(False)
