@@ -161,6 +161,10 @@ def end_to_end(data_s: float, trained: dict) -> str:
         f"{name} {(data_s + row['train_s']) / 60:.1f} min" for name, row in trained.items() if "train_s" in row) + ".")
 
 
+def gap_split(taus: dict) -> str:
+    return ", ".join(f"{where} {tau:.3f}" for where, tau in taus.items())
+
+
 def markdown(result: dict) -> str:
     k = result["gamma"]
     lines = [f"# Drafter quality on held-out prompts ({', '.join(result['eval_sources'])}; "
@@ -210,8 +214,7 @@ def markdown(result: dict) -> str:
         lines += ["", "Where the gap is: each final draft replayed (tau) on its own training records, on prompts of "
                       "the training sources it never saw, and on the held-out sources (training -> in-distribution: "
                       "memorisation; in-distribution -> held-out sources: domain shift):", ""]
-        lines += [f"- {name}: " + ", ".join(f"{where} {tau:.3f}" for where, tau in taus.items())
-                  for name, taus in split.items()]
+        lines += [f"- {name}: {gap_split(taus)}" for name, taus in split.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -421,8 +424,12 @@ def main() -> int:
             caches = {"training records": open_cache(recipe_obj, data_run / "cache", hidden, tokenizer),
                       "in-distribution held-out": open_eval_cache(recipe, in_distribution_run),
                       "held-out sources": eval_cache}
-            saved_split.write_text(json.dumps(generalization(run / "train" / "final", caches, num_eval, 7,
-                                                             args.max_new_tokens, eos_token_id)) + "\n")
+            last = curves[family][-1]
+            if last["step"] == steps:  # the curve's last checkpoint is the final draft: its replay is already done
+                del caches["held-out sources"]
+            split = generalization(run / "train" / "final", caches, num_eval, 7, args.max_new_tokens, eos_token_id)
+            split.setdefault("held-out sources", last["replayed_tau"])
+            saved_split.write_text(json.dumps(split) + "\n")
         # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
         trained[family] = {"steps": steps, "train_s": curves[family][-1]["minutes"] * 60, "wall_s": wall_s,
                            "probe_s_per_step": per_step, "generalization": json.loads(saved_split.read_text())}
@@ -434,8 +441,7 @@ def main() -> int:
                                                     indent=1) + "\n")
         print(f"[quality] {end_to_end(data_s, trained)}")
         for family, points in curves.items():
-            print(f"[quality] {family}: final draft replayed on " + ", ".join(
-                f"{name} {tau:.3f}" for name, tau in trained[family]["generalization"].items()))
+            print(f"[quality] {family}: final draft replayed on {gap_split(trained[family]['generalization'])}")
             print(f"[quality] {family}: replayed held-out tau " + " / ".join(
                 f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
         return 0
