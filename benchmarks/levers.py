@@ -86,6 +86,10 @@ def main() -> int:
         print(f"[levers] {name} data: {data[name]}", flush=True)
 
     eval_cache = open_eval_cache(recipe, out / "eval-data")
+    from core.recipe import load_recipe  # torch-heavy: imported where the work starts
+    from modeling.target import load_tokenizer
+
+    eos_token_id = load_tokenizer(load_recipe(recipe).target.name_or_path).eos_token_id  # a replayed answer ends there
     arms = [("regen", "regen", raw)] if args.regen_prompts else []
     arms += [("source", "source", source_labels)]
     arms += [(name, "source", source_labels + extra) for name, extra in variants]
@@ -98,7 +102,7 @@ def main() -> int:
         seconds = run_pipeline(recipe, run, "train", args.nproc, extra + sets(
             train__max_steps=args.steps, train__save_every=max(1, args.steps // 4), train__keep_checkpoints=0), log)
         results[name] = {"data": data_name, "train_s": seconds, "s_per_step": seconds / args.steps,
-                         "curve": learning_curve(run, eval_cache, 7, 128)}
+                         "curve": learning_curve(run, eval_cache, 7, 128, eos_token_id)}
     for encoding in args.encoding:  # same steps and batches: checkpoint k of one arm against checkpoint k of the other
         results[encoding]["tau_over_source"] = [p["replayed_tau"] / q["replayed_tau"] for p, q in zip(
             results[encoding]["curve"], results["source"]["curve"])]

@@ -129,6 +129,11 @@ def _shard_records(model, rows: list[dict], first_id: int, layer_ids: list[int],
             bar.update(len(r["input_ids"]))
 
 
+ENCODING_NOTE = ("cache.encoding differs (None: the folder predates the key, i.e. raw). The default is fp8 since the "
+                 "half-size cache matched raw's held-out tau; --set cache.encoding=raw reads or resumes a raw cache "
+                 "as it is.")
+
+
 def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tokenizer) -> dict:
     """The `cache` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
     out_dir = Path(out_dir)
@@ -138,7 +143,7 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
                 "data": {k: getattr(recipe.data, k) for k in ("max_length", "thinking", "min_loss_tokens")}}
     if spec.encoding == "raw":  # pinned as before cache.encoding existed: older runs' finished caches still skip
         del settings["spec"]["encoding"], settings["cache"]["encoding"]
-    done = stage.start(out_dir, settings, "cache", dist.is_main)
+    done = stage.start(out_dir, settings, "cache", dist.is_main, notes={"cache.encoding": ENCODING_NOTE})
     if done is not None:
         return done
     model = get_model()

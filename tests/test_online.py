@@ -60,7 +60,7 @@ def test_online_identity_pins_the_states_dtype_and_encoding(tiny_qwen3, tmp_path
     regen = three_records(tmp_path)
     model, tokenizer = load_target(str(tiny_qwen3)), load_tokenizer(str(tiny_qwen3))
     identities = set()
-    for sets in ([], ["cache.dtype=float32"], ["cache.dtype=float16"], ["cache.encoding=fp8"]):
+    for sets in (["cache.encoding=raw"], ["cache.dtype=float32"], ["cache.dtype=float16"], []):  # [] = fp8, bf16
         recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", "data.min_loss_tokens=1", *sets])
         identities.add(OnlineRecords(recipe, regen, tokenizer, lambda: model).manifest["index_sha256"])
     assert len(identities) == 4

@@ -113,6 +113,22 @@ def test_cache_refuses_mismatch_and_corruption(tiny_qwen3, prompt_file, tmp_path
         open_cache(recipe, out / "cache", 64, tokenizer, verify=True)
 
 
+def test_a_raw_cache_made_before_the_fp8_default_is_named_and_read_as_it_is(tiny_qwen3, prompt_file, tmp_path):
+    """cache.encoding defaults to fp8 (half the bytes); a finished raw cache folder is refused by the default, with
+    the key and the --set that reuses it, and a recipe saying raw skips the stage and reads the cache."""
+    assert load_recipe("dspark_qwen3_8b").cache.encoding == "fp8"
+    out = tmp_path / "run"
+    raw = tiny_overrides(tiny_qwen3, prompt_file, **{"cache.encoding": "raw"})
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate,cache", "--out", str(out)] + raw) == 0
+    assert json.loads((out / "cache" / "manifest.json").read_text())["codec"] == "raw"
+    with pytest.raises(StageMismatchError, match=r"(?s)cache\.encoding.*--set cache\.encoding=raw reads or resumes"):
+        main(["--recipe", "dspark_qwen3_8b", "--stages", "cache", "--out", str(out)]
+             + tiny_overrides(tiny_qwen3, prompt_file))
+    done_before = (out / "cache" / "DONE.json").read_bytes()
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "cache", "--out", str(out)] + raw) == 0
+    assert (out / "cache" / "DONE.json").read_bytes() == done_before  # skipped, not rebuilt
+
+
 def test_smollm2_target_regenerates_and_caches(tmp_path, capsys):
     out = tmp_path / "smol"
     assert main(["--recipe", "dspark_smollm2_135m", "--stages", "regenerate,cache", "--out", str(out),
