@@ -129,9 +129,9 @@ def _shard_records(model, rows: list[dict], first_id: int, layer_ids: list[int],
             bar.update(len(r["input_ids"]))
 
 
-ENCODING_NOTE = ("cache.encoding differs (None: the folder predates the key, i.e. raw). The default is fp8 since the "
-                 "half-size cache matched raw's held-out tau; --set cache.encoding=raw reads or resumes a raw cache "
-                 "as it is.")
+ENCODING_NOTE = ("cache.encoding differs (None stands for raw, pinned as before the key existed). The default is fp8 "
+                 "since the half-size cache matched raw's held-out tau; --set cache.encoding=raw reads or resumes a raw "
+                 "cache as it is.")
 
 
 def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tokenizer) -> dict:
