@@ -91,6 +91,7 @@ def main(argv=None) -> int:
         if stale:
             print(f"[draftsmith] removed {len(stale)} temporary file(s) an interrupted run left in {out}", flush=True)
     from core.dist import close_dist, init_dist
+    from data.cache import CacheMismatchError
 
     dist = init_dist()
     try:
@@ -99,6 +100,12 @@ def main(argv=None) -> int:
         dist.print(f"[draftsmith] recipe {recipe.name} ({recipe.family}), target {recipe.target.name_or_path}, "
                    f"stages {','.join(stages)}, out {out}, {dist.world_size} rank(s) on {dist.device.type}")
         run_stages(recipe, stages, out, dist)
+    except (stage.StageMismatchError, CacheMismatchError) as exc:
+        # a folder made with other settings: the user's input, not a bug, so its message alone (once, not a
+        # traceback from every rank)
+        if dist.is_main:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         close_dist()
     return 0

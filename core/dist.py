@@ -76,6 +76,14 @@ class Dist:
         tdist.all_reduce(tensor, op=tdist.ReduceOp.MAX)
         return tensor.item()
 
+    def gather(self, obj) -> list:
+        """Every rank's `obj` (picklable), in rank order, on every rank."""
+        if self.world_size == 1:
+            return [obj]
+        parts = [None] * self.world_size
+        tdist.all_gather_object(parts, obj)
+        return parts
+
     def print(self, *args) -> None:
         if self.is_main:
             print(*args, flush=True)

@@ -229,10 +229,12 @@ class OpdConfig:
     rounds: int = 0
     #: training conversations rolled out per round (a seeded sample; all of them when the data holds fewer).
     rollout_records: int = 64
-    #: optimizer steps per round, each of train.global_batch_size sequences, at a constant learning rate.
     #: optimizer steps per round (train.global_batch_size sequences each); the lr decays from opd.lr within a round.
     steps_per_round: int = 20
     lr: float = 3.0e-4
+    #: where a round's updates anchor: "rollout" = the rollouts' round starts (Draft-OPD); "uniform" = anywhere in the
+    #: answers as the train stage does, with no rollout: the same rounds as plain continued SFT, OPD's control.
+    anchors: Literal["rollout", "uniform"] = "rollout"
 
 
 @dataclass

@@ -3,6 +3,7 @@ replayed rounds' starts, and rounds of rollout + update run after train, resumab
 distilled draft."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -61,6 +62,12 @@ def test_on_policy_batches_train_only_at_round_starts(family):
     assert 0 < batch["weight_sum"] < plain["weight_sum"]
     assert data.manifest["index_sha256"] != RolloutRecords(ListRecords(rows()), [0, 1], starts[::-1]).manifest[
         "index_sha256"]
+    # opd.anchors=uniform, OPD's control: the same conversations as they are, i.e. the train stage's batches
+    uniform = RolloutRecords(ListRecords(rows()), [0, 1], None)
+    again = algo.make_batch(recipe, [uniform[0], uniform[1]], seeds=[(1, 0, 0), (1, 0, 1)], device="cpu")
+    key = "anchor_positions" if family == "dspark" else "step_valid"
+    assert all(torch.equal(a, b) for a, b in zip(again[key], plain[key])) and again["weight_sum"] == plain["weight_sum"]
+    assert uniform.manifest["index_sha256"] not in (data.manifest["index_sha256"], "test")
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +109,31 @@ def test_opd_rounds_follow_train_and_feed_export(greedy_run, tiny_qwen3, prompt_
     # a second run finds every stage complete
     again = run_cli(args)
     assert again.returncode == 0 and "opd is complete; skipping" in again.stdout.replace(str(out / "opd"), "opd")
+
+
+def test_opd_uniform_anchors_train_the_same_rounds_without_rollouts(greedy_run, tiny_qwen3, prompt_file, tmp_path):
+    """opd.anchors=uniform (benchmarks/opd.py's control): rounds over the same sampled conversations from the same
+    draft, anchored anywhere as the train stage does, and nothing rolled out before a round."""
+    out = copy_run(greedy_run, "dspark", tmp_path / "run")
+    extra = {"regen.temperature": 0.0, "train.max_steps": 2, "opd.rounds": 1, "opd.rollout_records": 6,
+             "opd.steps_per_round": 2}
+    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,opd", **extra))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # a rollout-anchored folder keeps the settings it had before opd.anchors existed
+    assert "anchors" not in json.loads((out / "opd" / "settings.json").read_text())["opd"]
+    control = tmp_path / "control"
+    shutil.copytree(out, control, ignore=shutil.ignore_patterns("opd"))
+    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, control, stages="opd",
+                              **extra, **{"opd.anchors": "uniform"}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[opd] round 1/1: uniform anchors over 6 training conversations" in done.stdout
+    assert "round 1/1: rollout tau" not in done.stdout
+    rounds = json.loads((control / "opd" / "DONE.json").read_text())["rounds"]
+    assert rounds[0]["rollout_tau"] is None and rounds[0]["rollout_s"] < 1.0 and rounds[1]["rollout_tau"] >= 1.0
+    first = {run: json.loads((run / "opd" / "round-001" / "DONE.json").read_text())["first"]["loss"]
+             for run in (out, control)}
+    assert first[out] != first[control]  # the same draft and conversations, other anchors
+    assert json.loads((control / "opd" / "settings.json").read_text())["opd"]["anchors"] == "uniform"
 
 
 def test_opd_refuses_sampled_answers(greedy_run, tiny_qwen3, prompt_file, tmp_path):

@@ -3,6 +3,7 @@ two ranks, refusal of a mismatched or corrupted cache, and the real
 SmolLM2 target."""
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -13,7 +14,6 @@ from data.capture import open_cache
 from modeling.target import load_tokenizer
 from pipeline import main
 from core.recipe import load_recipe
-from core.stage import StageMismatchError
 
 from conftest import run_cli, tiny_overrides
 
@@ -83,7 +83,7 @@ def test_two_ranks_split_the_work_and_match_one_rank(tiny_qwen3, prompt_file, tm
         assert (tmp_path / "one" / stage_dir).read_bytes() == (tmp_path / "two" / stage_dir).read_bytes()
 
 
-def test_cache_refuses_mismatch_and_corruption(tiny_qwen3, prompt_file, tmp_path, drill):
+def test_cache_refuses_mismatch_and_corruption(tiny_qwen3, prompt_file, tmp_path, drill, capsys):
     drill("corruption", "a flipped byte in a cache shard (verify)")
     drill("bad-input", "a cache of other layers")
     drill("bad-input", "a cache of another target")
@@ -99,10 +99,12 @@ def test_cache_refuses_mismatch_and_corruption(tiny_qwen3, prompt_file, tmp_path
     with pytest.raises(CacheMismatchError, match="target"):
         open_cache(renamed, out / "cache", 64, tokenizer)
 
-    # rerunning into the same folder with other settings is refused, naming the key
-    with pytest.raises(StageMismatchError, match="regen.temperature"):
-        main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
-             + tiny_overrides(tiny_qwen3, prompt_file, **{"regen.temperature": 0.1}))
+    # rerunning into the same folder with other settings is refused, naming the key, as an error (exit code 2)
+    capsys.readouterr()
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file, **{"regen.temperature": 0.1})) == 2
+    refusal = capsys.readouterr().err
+    assert refusal.startswith("error: ") and "regen.temperature" in refusal and "Traceback" not in refusal
 
     shard = sorted((out / "cache").glob("shard-*.bin"))[1]
     data = bytearray(shard.read_bytes())
@@ -113,7 +115,8 @@ def test_cache_refuses_mismatch_and_corruption(tiny_qwen3, prompt_file, tmp_path
         open_cache(recipe, out / "cache", 64, tokenizer, verify=True)
 
 
-def test_a_raw_cache_made_before_the_fp8_default_is_named_and_read_as_it_is(tiny_qwen3, prompt_file, tmp_path):
+def test_a_raw_cache_made_before_the_fp8_default_is_named_and_read_as_it_is(tiny_qwen3, prompt_file, tmp_path,
+                                                                          capsys):
     """cache.encoding defaults to fp8 (half the bytes); a finished raw cache folder is refused by the default, with
     the key and the --set that reuses it, and a recipe saying raw skips the stage and reads the cache."""
     assert load_recipe("dspark_qwen3_8b").cache.encoding == "fp8"
@@ -121,9 +124,11 @@ def test_a_raw_cache_made_before_the_fp8_default_is_named_and_read_as_it_is(tiny
     raw = tiny_overrides(tiny_qwen3, prompt_file, **{"cache.encoding": "raw"})
     assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate,cache", "--out", str(out)] + raw) == 0
     assert json.loads((out / "cache" / "manifest.json").read_text())["codec"] == "raw"
-    with pytest.raises(StageMismatchError, match=r"(?s)cache\.encoding.*--set cache\.encoding=raw reads or resumes"):
-        main(["--recipe", "dspark_qwen3_8b", "--stages", "cache", "--out", str(out)]
-             + tiny_overrides(tiny_qwen3, prompt_file))
+    capsys.readouterr()
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "cache", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file)) == 2
+    refusal = capsys.readouterr().err
+    assert re.search(r"(?s)^error: .*cache\.encoding.*--set cache\.encoding=raw reads or resumes", refusal)
     done_before = (out / "cache" / "DONE.json").read_bytes()
     assert main(["--recipe", "dspark_qwen3_8b", "--stages", "cache", "--out", str(out)] + raw) == 0
     assert (out / "cache" / "DONE.json").read_bytes() == done_before  # skipped, not rebuilt

@@ -618,3 +618,44 @@ def test_replay_stops_at_the_end_of_turn_token_like_the_loop(target):
     assert len(replayed) == len(stopped.rounds)
     assert [r.accepted for r in replayed][:-1] == [r.accepted for r in stopped.rounds][:-1]
     assert len(replay_rounds(draft_matches(drafter.model, record, GAMMA), *answer_span(record), GAMMA)) > len(replayed)
+
+
+def test_rollout_split_over_ranks_gives_one_ranks_rounds(target):
+    """The opd stage's rollout replays every world_size-th answer on each rank and gathers them back in order: the
+    same round starts and tau as one rank replaying them all."""
+    from train.opd import rollout
+
+    target, drafter = bigram_pair()
+
+    class Records(list):
+        def with_hidden(self, rows):
+            return rows
+
+    records = Records()
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt + target_generate(target, prompt, 30).ids])
+        hidden, _ = capture_hidden_states(target, ids, torch.ones_like(ids), LAYER_IDS)
+        records.append({"input_ids": ids[0], "loss_mask": torch.tensor([0] * len(prompt) + [1] * 30),
+                        "hidden_states": hidden[0]})
+    order = [2, 0, 1]
+    parts = {}
+
+    class Rank:  # rank `rank` of two; rank 1 runs first and stops at the gather, rank 0 then gets both parts
+        world_size = 2
+
+        def __init__(self, rank):
+            self.rank = rank
+
+        def gather(self, part):
+            parts[self.rank] = part
+            if self.rank == 1:
+                raise StopIteration
+            return [parts[0], parts[1]]
+
+    with pytest.raises(StopIteration):
+        rollout(drafter.model, records, order, GAMMA, dist=Rank(1))
+    split = rollout(drafter.model, records, order, GAMMA, dist=Rank(0))
+    one = rollout(drafter.model, records, order, GAMMA)
+    assert sorted(parts[0]) == [0, 2] and sorted(parts[1]) == [1]  # each rank replayed its share only
+    assert [s.tolist() for s in split[0]] == [s.tolist() for s in one[0]] and len(one[0]) == 3
+    assert split[1:] == one[1:] and max(one[1]) >= 2  # accepted runs of several drafts, in the same order

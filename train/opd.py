@@ -6,8 +6,8 @@ Supervised training sees anchors drawn uniformly over the target's answers; in s
 from where its own previous round ended, i.e. right after verification rejected one of its drafts. Each round:
   1. rollout: the current drafter drafts along training answers with the target verifying, greedily (T=0). With
      greedy regeneration the target's rollout of a training prompt IS its regenerated answer, so the rounds are
-     replayed from one drafter pass per answer (train/rollout.py; equal to the real loop's rounds, a tested fact);
-     the bar shows the rollout tau;
+     replayed from one drafter pass per answer (train/rollout.py; equal to the real loop's rounds, a tested fact),
+     the answers split over the ranks; the bar shows the rollout tau;
   2. update: opd.steps_per_round steps (lr opd.lr, cosine within the round) of the same Trainer and the family's own loss (CE/TV/confidence for DSpark and DFlash, TTT for Eagle3),
      started from the current drafter, trained only at the rounds' starts: the verified prefixes where the
      previous draft was rejected, with the target's next tokens (its distribution, via the frozen head) as labels.
@@ -42,19 +42,22 @@ def draft_gamma(recipe) -> int:
 
 class RolloutRecords:
     """The records one round rolled out, each with `rollout_starts` (its replayed rounds' pending positions): the
-    train/algorithms.py families anchor (or, Eagle3, supervise) only there. Same interface as the cache."""
+    train/algorithms.py families anchor (or, Eagle3, supervise) only there. Same interface as the cache. With
+    `starts` None (opd.anchors: uniform) the records go out as they are and train as in the train stage."""
 
-    def __init__(self, records, indices: list[int], starts: list[torch.Tensor]):
+    def __init__(self, records, indices: list[int], starts: list[torch.Tensor] | None):
         self.records, self.indices, self.starts = records, indices, starts
         digest = hashlib.sha256(str(records.manifest.get("index_sha256")).encode())
-        for index, s in zip(indices, starts):
-            digest.update(f"{index}:{s.tolist()}".encode())
+        for i, index in enumerate(indices):
+            digest.update(f"{index}:{'uniform' if starts is None else starts[i].tolist()}".encode())
         self.manifest = {**records.manifest, "index_sha256": f"opd:{digest.hexdigest()}"}
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __getitem__(self, i: int) -> dict:
+        if self.starts is None:
+            return self.records[self.indices[i]]
         return {**self.records[self.indices[i]], "rollout_starts": self.starts[i]}
 
     def with_hidden(self, records: list[dict]) -> list[dict]:
@@ -67,17 +70,21 @@ def rollout_sample(num_records: int, count: int, seed: int, round_index: int) ->
     return order[: min(count, num_records)].tolist()
 
 
-def rollout(draft, records, indices: list[int], gamma: int,
-            eos_token_id=None) -> tuple[list[torch.Tensor], list[int], float]:
+def rollout(draft, records, indices: list[int], gamma: int, eos_token_id=None,
+            dist: Dist | None = None) -> tuple[list[torch.Tensor], list[int], float]:
     """Replayed greedy rounds over each record's first answer, ended where the loop stops (answer_span): (round starts
-    per record, accepted per round, tau)."""
-    starts, accepted = [], []
-    for index in indices:
-        record = records.with_hidden([records[index]])[0]
+    per record, accepted per round, tau). With `dist` each rank replays every world_size-th record and every rank
+    gets all of them back, in order."""
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    mine = {}
+    for position in range(rank, len(indices), world):
+        record = records.with_hidden([records[indices[position]]])[0]
         first, end = answer_span(record, eos_token_id=eos_token_id)
         rounds = replay_rounds(draft_matches(draft, record, gamma), first, end, gamma)
-        starts.append(torch.tensor([r.pending for r in rounds], dtype=torch.long))
-        accepted += [r.accepted for r in rounds]
+        mine[position] = (torch.tensor([r.pending for r in rounds], dtype=torch.long), [r.accepted for r in rounds])
+    replayed = {k: v for part in (dist.gather(mine) if dist is not None else [mine]) for k, v in part.items()}
+    starts = [replayed[position][0] for position in range(len(indices))]
+    accepted = [a for position in range(len(indices)) for a in replayed[position][1]]
     tau = sum(a + 1 for a in accepted) / max(len(accepted), 1)
     return starts, accepted, tau
 
@@ -91,7 +98,10 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
                          f"regen.temperature is {recipe.regen.temperature}; set it to 0 (and regenerate) or opd.rounds=0")
     if not (Path(train_final) / "model.safetensors").is_file():
         raise RuntimeError(f"{train_final} holds no trained draft: run the train stage first (--stages train,opd)")
-    settings = {"opd": dataclasses.asdict(opd), "start_draft_sha256": draft_digest(train_final),
+    opd_settings = dataclasses.asdict(opd)
+    if opd.anchors == "rollout":  # as every opd folder made before the key existed: those still match
+        del opd_settings["anchors"]
+    settings = {"opd": opd_settings, "start_draft_sha256": draft_digest(train_final),
                 "data": records.manifest.get("index_sha256")}
     done = stage.start(out_dir, settings, "opd", dist.is_main)
     if done is not None:
@@ -105,12 +115,16 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
     for k in range(1, opd.rounds + 1):
         indices = rollout_sample(len(records), opd.rollout_records, recipe.seed, k)
         t0 = time.perf_counter()
-        draft = load_draft_model(draft_dir, get_target(), dtype=torch.float32)
-        starts, accepted, tau = rollout(draft, records, indices, gamma, eos_token_id)
+        if opd.anchors == "uniform":  # the control: same conversations and steps, SFT's anchors, nothing rolled out
+            starts, accepted, tau = None, [], None
+            dist.print(f"[opd] round {k}/{opd.rounds}: uniform anchors over {len(indices)} training conversations")
+        else:
+            draft = load_draft_model(draft_dir, get_target(), dtype=torch.float32)
+            starts, accepted, tau = rollout(draft, records, indices, gamma, eos_token_id, dist)
+            bar.set_postfix(rollout_tau=f"{tau:.3f}")
+            dist.print(f"[opd] round {k}/{opd.rounds}: rollout tau {tau:.3f} over {len(accepted)} rounds of "
+                       f"{len(indices)} training conversations")
         rollout_s = time.perf_counter() - t0
-        bar.set_postfix(rollout_tau=f"{tau:.3f}")
-        dist.print(f"[opd] round {k}/{opd.rounds}: rollout tau {tau:.3f} over {len(accepted)} rounds of "
-                   f"{len(indices)} training conversations")
         round_dir = out_dir / f"round-{k:03d}"
         run_train(round_recipe, RolloutRecords(records, indices, starts), round_dir, dist, get_target,
                   init_from=draft_dir)
@@ -122,13 +136,14 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
     # the last update's effect, on the sample the next round would roll out
     _, accepted, tau = rollout(load_draft_model(draft_dir, get_target(), dtype=torch.float32), records,
                                rollout_sample(len(records), opd.rollout_records, recipe.seed, opd.rounds + 1), gamma,
-                               eos_token_id)
+                               eos_token_id, dist)
     history.append({"round": opd.rounds + 1, "rollout_tau": tau, "rollout_rounds": len(accepted)})
     stats = {"rounds": history, "final": str(out_dir / "final")}
     if dist.is_main:
         with publish_dir(out_dir / "final") as tmp:
             shutil.copytree(draft_dir, tmp, dirs_exist_ok=True)
         stage.mark_done(out_dir, stats)
-        print("[opd] done: rollout tau " + " -> ".join(f"{h['rollout_tau']:.3f}" for h in history), flush=True)
+        print("[opd] done: rollout tau " + " -> ".join(f"{h['rollout_tau']:.3f}" for h in history
+                                                       if h["rollout_tau"] is not None), flush=True)
     dist.barrier()
     return stats
