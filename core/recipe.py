@@ -108,7 +108,7 @@ class CacheConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     #: how hidden states are stored: fp8 (e4m3 with a power-of-two scale per token and layer: H + 1 bytes a row,
     #: 0.501x bf16's 2H; read back in `dtype`) | raw (the dtype's bytes). fp8 matched raw's held-out tau at equal steps
-    #: for each family, within 0.5% (README, "The hidden-state cache"); online runs round through it too, so that they
+    #: for each family, within 0.6% (README, "The hidden-state cache"); online runs round through it too, so that they
     #: train on what an offline run reads. See data/cache.py.
     encoding: Literal["raw", "fp8"] = "fp8"
     #: conversations per target forward.

@@ -623,6 +623,7 @@ def test_replay_stops_at_the_end_of_turn_token_like_the_loop(target):
 def test_rollout_split_over_ranks_gives_one_ranks_rounds(target):
     """The opd stage's rollout replays every world_size-th answer on each rank and gathers them back in order: the
     same round starts and tau as one rank replaying them all."""
+    from core.dist import Dist
     from train.opd import rollout
 
     target, drafter = bigram_pair()
@@ -640,11 +641,9 @@ def test_rollout_split_over_ranks_gives_one_ranks_rounds(target):
     order = [2, 0, 1]
     parts = {}
 
-    class Rank:  # rank `rank` of two; rank 1 runs first and stops at the gather, rank 0 then gets both parts
-        world_size = 2
-
+    class Rank(Dist):  # a rank of two; rank 1 runs first and stops at the gather, rank 0 then gets both parts
         def __init__(self, rank):
-            self.rank = rank
+            super().__init__(rank=rank, world_size=2)
 
         def gather(self, part):
             parts[self.rank] = part

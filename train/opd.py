@@ -75,14 +75,14 @@ def rollout(draft, records, indices: list[int], gamma: int, eos_token_id=None,
     """Replayed greedy rounds over each record's first answer, ended where the loop stops (answer_span): (round starts
     per record, accepted per round, tau). With `dist` each rank replays every world_size-th record and every rank
     gets all of them back, in order."""
-    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    dist = dist or Dist()  # one process: its own share is everything
     mine = {}
-    for position in range(rank, len(indices), world):
+    for position in dist.mine(range(len(indices))):
         record = records.with_hidden([records[indices[position]]])[0]
         first, end = answer_span(record, eos_token_id=eos_token_id)
         rounds = replay_rounds(draft_matches(draft, record, gamma), first, end, gamma)
         mine[position] = (torch.tensor([r.pending for r in rounds], dtype=torch.long), [r.accepted for r in rounds])
-    replayed = {k: v for part in (dist.gather(mine) if dist is not None else [mine]) for k, v in part.items()}
+    replayed = {k: v for part in dist.gather(mine) for k, v in part.items()}
     starts = [replayed[position][0] for position in range(len(indices))]
     accepted = [a for position in range(len(indices)) for a in replayed[position][1]]
     tau = sum(a + 1 for a in accepted) / max(len(accepted), 1)
