@@ -58,6 +58,18 @@ def argument_problems(args) -> list[str]:
     if args.draft != "ngram" and not args.draft.startswith("lm:") and not is_draft_dir(args.draft):
         problems.append(f"--draft {args.draft}: not a draft folder (config.json + model.safetensors of a DSpark, "
                         f"DFlash or Eagle3 draft, e.g. runs/<recipe>/train/final), nor `ngram` or `lm:<model>`")
+    if args.sts is not None and args.schedule != "confidence":
+        problems.append("--sts calibrates the confidence schedule: add --schedule confidence, or drop --sts")
+    if args.schedule == "confidence" and (args.draft == "ngram" or args.draft.startswith("lm:") or args.live):
+        problems.append("--schedule confidence needs a DSpark draft folder with a confidence head, evaluated offline "
+                        f"(not --draft {args.draft}{' with --live' if args.live else ''})")
+    if args.sts is not None:
+        from export.serving import load_sts
+
+        try:
+            load_sts(args.sts)
+        except (OSError, ValueError) as exc:
+            problems.append(f"--sts {args.sts}: {exc}")
     dataset_problem = source_problem(args.dataset, args.dataset_path)
     if dataset_problem:
         problems.append(f"--dataset: {dataset_problem}")
@@ -83,6 +95,14 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/eval", help="report folder (default runs/eval)")
     parser.add_argument("--no-scheduler", action="store_true", help="skip the SPS profile and scheduler simulation")
+    parser.add_argument("--schedule", choices=("fixed", "confidence"), default="fixed",
+                        help="fixed: verify every draft, gamma a round (default); confidence: verify only the drafts "
+                             "DSpark's scheduler admits each round from the confidence head and this machine's "
+                             "verify cost (profiled first), as SGLang's DSPARK does (a DSpark draft with a "
+                             "confidence head only)")
+    parser.add_argument("--sts", metavar="STS_JSON",
+                        help="with --schedule confidence: the sts.json of an eval of this draft on other prompts, to "
+                             "calibrate its confidences (default: none, uncalibrated)")
     parser.add_argument("--hf-generate", action="store_true",
                         help="also time plain HF generate (greedy, batch 1) on the same prompts and report the ratio")
     parser.add_argument("--ngram-baseline", action="store_true",
@@ -112,7 +132,7 @@ def main(argv=None) -> int:
     keep_freed_memory()  # torch's CPU tensors come from malloc (core/malloc.py)
     if args.live:
         return _live(args)
-    from eval.run import print_summary, run_eval
+    from eval.run import ScheduleError, print_summary, run_eval
     from modeling.registry import TargetMismatchError
 
     try:
@@ -121,8 +141,9 @@ def main(argv=None) -> int:
                           max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
                           dataset_path=args.dataset_path, scheduler=not args.no_scheduler,
                           hf_generate=args.hf_generate, ngram_baseline=args.ngram_baseline,
-                          any_target=args.any_target, full_vocab=args.full_vocab)
-    except TargetMismatchError as exc:
+                          any_target=args.any_target, full_vocab=args.full_vocab, verify_schedule=args.schedule,
+                          sts_path=args.sts)
+    except (TargetMismatchError, ScheduleError) as exc:
         print(f"[eval] refused: {exc}", file=sys.stderr)
         return 2
     print_summary(report)

@@ -8,6 +8,8 @@ decoding with the drafter. The report holds:
   * accept_len (tau): mean over rounds of accepted drafts + 1 (bonus/correction token included);
   * accept_rate_at_k: prefix survival, #rounds with >= k accepted / #rounds with >= k proposed;
   * cond_accept_rate_at_k: #rounds with >= k accepted / #rounds with >= k-1 accepted and >= k proposed;
+  * mean_verified_drafts: drafts verified a round (gamma, fewer when the drafter proposes fewer or a verify
+    schedule admits fewer);
   * verify_rate: sum of accept lengths / sum of (proposal length + 1);
   * exact_match: at T=0 the fraction of samples whose output equals the target's own greedy output (must be 1.0);
   * spec_tokens_per_s, target_tokens_per_s and their ratio `speedup`;
@@ -29,12 +31,12 @@ from core.io import atomic_write_json, atomic_write_text, read_json
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import eval_prompts
 from eval.calibration import calibrate_sts, calibration_report, logits_from_probs, prefix_labels
-from eval.scheduler import format_table, profile_sps, simulate
+from eval.scheduler import VerifySchedule, format_table, profile_sps, simulate
 from eval.spec_decode import (DraftLMDrafter, GenerationResult, NgramDrafter, is_greedy, load_draft,
                               speculative_generate, sync_clock, target_generate)
-from export.serving import save_sts
+from export.serving import SpsTable, load_sts, save_sts
 from modeling.registry import draft_digest
-from modeling.target import load_target, load_tokenizer
+from modeling.target import TargetRunner, load_target, load_tokenizer
 
 
 def acceptance_metrics(rounds, gamma: int) -> dict:
@@ -51,6 +53,7 @@ def acceptance_metrics(rounds, gamma: int) -> dict:
         "accept_len": tau,
         "accept_rate_at_k": [s / p if p else 0.0 for s, p in zip(survived, proposed)],
         "cond_accept_rate_at_k": [s / n if n else 0.0 for s, n in zip(survived, reached)],
+        "mean_verified_drafts": sum(r.proposed for r in rounds) / max(len(rounds), 1),
         "verify_rate": sum(r.accepted + 1 for r in rounds) / max(sum(r.proposed + 1 for r in rounds), 1),
         "num_rounds": len(rounds),
     }
@@ -108,7 +111,8 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
              block_size: int | None, max_new_tokens: int, seed: int = 0, system_prompt: str | None = None,
              enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
              scheduler: bool = True, target=None, hf_generate: bool = False, baselines: dict | None = None,
-             ngram_baseline: bool = False, any_target: bool = False, full_vocab: bool = False) -> dict:
+             ngram_baseline: bool = False, any_target: bool = False, full_vocab: bool = False,
+             verify_schedule: str = "fixed", sts_path: str | None = None) -> dict:
     """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does).
 
     hf_generate: also time plain HF `generate` (greedy, batch size 1) on every prompt, the speed users compare with:
@@ -118,7 +122,11 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     ngram_baseline: also run the free n-gram drafter on the same prompts (report `ngram_baseline`, `tau_vs_ngram`): a
     trained drafter that accepts less than it is not worth serving.
     full_vocab: draft over the whole vocabulary although the draft folder has a token map (report `draft_vocab_size`:
-    the tokens drafted among, None for all)."""
+    the tokens drafted among, None for all).
+    verify_schedule: `fixed` verifies every draft (gamma a round); `confidence` verifies the drafts DSpark's scheduler
+    admits each round (eval/scheduler.py VerifySchedule), from the confidence head calibrated with `sts_path` (an
+    sts.json written by an eval on other prompts; None: uncalibrated) and this machine's verify cost, profiled
+    through the loop's own cache (`loop_sps_table.json`). Report `verify_schedule`."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
@@ -126,6 +134,9 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     tokenizer = load_tokenizer(target_name)
     drafter = make_drafter(draft, target, block_size or 7, any_target, full_vocab)
     gamma = block_size or drafter.default_gamma
+    schedule = None
+    if verify_schedule != "fixed":
+        schedule, schedule_report = loop_schedule(target, drafter, gamma, verify_schedule, sts_path, out_dir)
     draft_vocab = getattr(getattr(drafter, "model", None), "draft_vocab", None)
     prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
     greedy = is_greedy(temperature)
@@ -145,7 +156,8 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
                               if hf_generate else None)
         reference, plain = baselines[key]
         result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed + i)
+                                      temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed + i,
+                                      schedule=schedule)
         target_time += reference.wall_s
         target_prefill += reference.prefill_s
         target_tokens += len(reference.ids)
@@ -172,6 +184,8 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     }
     report["speedup"] = (report["spec_tokens_per_s"] / report["target_tokens_per_s"]
                          if report["target_tokens_per_s"] else 0.0)
+    if schedule is not None:
+        report["verify_schedule"] = schedule_report
     report["timing"] = round_timing(rounds, gamma, spec_decode_s=spec_time - spec_prefill, spec_tokens=spec_tokens,
                                     target_decode_s=target_time - target_prefill, target_tokens=target_tokens)
     if hf_generate:
@@ -187,7 +201,8 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
                          baselines=baselines)
         report["ngram_baseline"] = {key: ngram[key] for key in ("accept_len", "accept_rate_at_k", "speedup")}
         report["tau_vs_ngram"] = report["accept_len"] / ngram["accept_len"]
-    if rounds and rounds[0].confidences is not None:
+    # Calibration reads every position's confidences: a scheduled run verified only the drafts it was confident in.
+    if rounds and rounds[0].confidences is not None and schedule is None:
         report["calibration"] = _calibrate(rounds, gamma, out_dir, dataset)
         if scheduler:
             report["scheduler"] = _schedule(target, rounds, gamma, out_dir, seed)
@@ -269,6 +284,50 @@ def _schedule(target, rounds, gamma: int, out_dir: Path, seed: int) -> dict:
     return {"sps_table_path": str(out_dir / "sps_table.json"), "rows": rows, "table": format_table(rows)}
 
 
+SCHEDULES = ("fixed", "confidence")
+
+
+class ScheduleError(ValueError):
+    """A verify schedule this draft or calibration file cannot give (eval.py answers it with exit code 2)."""
+
+
+def profile_loop_sps(target, layer_ids, max_tokens: int, context_tokens: int = 256, repeats: int = 5) -> SpsTable:
+    """The target's verify steps/s at 1..max_tokens new tokens after a context_tokens-token prefix, through the loop's
+    own KV-cached runner (a forward, then the rollback): what a batch-1 round pays, for the in-loop scheduler. The
+    prefix tokens are fixed pseudo-random ids; the cost of a forward does not depend on which."""
+    device = next(target.parameters()).device
+    ids = torch.randint(0, target.config.vocab_size, (context_tokens + max_tokens,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    with TargetRunner(target, layer_ids) as runner:
+        runner.forward(ids[:context_tokens], logits="none")
+
+        def verify_step(batch_tokens: int):
+            runner.forward(ids[context_tokens: context_tokens + batch_tokens])
+            runner.crop(context_tokens)
+
+        return profile_sps(verify_step, range(1, max_tokens + 1), repeats=repeats, clock=lambda: sync_clock(device))
+
+
+def loop_schedule(target, drafter, gamma: int, policy: str, sts_path, out_dir: Path):
+    """(the schedule speculative_generate calls each round, what the report says about it) for `policy`."""
+    if policy not in SCHEDULES:
+        raise ScheduleError(f"unknown verify schedule {policy!r}; known: {', '.join(SCHEDULES)}")
+    model = getattr(drafter, "model", None)
+    if getattr(model, "confidence_head", None) is None:
+        raise ScheduleError("--schedule confidence reads the draft's confidence head: only a DSpark draft trained "
+                            "with draft.enable_confidence_head has one (use --schedule fixed for this drafter)")
+    temperatures = None
+    if sts_path is not None:
+        temperatures = load_sts(sts_path).temperatures
+        if len(temperatures) < gamma:
+            raise ScheduleError(f"--sts {sts_path}: {len(temperatures)} temperatures for {gamma} draft positions; "
+                                f"calibrate with an eval at --block-size {gamma} or more")
+    table = profile_loop_sps(target, drafter.layer_ids, gamma + 1)
+    table.save(out_dir / "loop_sps_table.json")
+    return VerifySchedule(table, temperatures), {"policy": policy, "sts": None if sts_path is None else str(sts_path),
+                                                 "temperatures": temperatures, "loop_sps_table": table.to_json()}
+
+
 def report_markdown(report: dict) -> str:
     k = len(report["accept_rate_at_k"])
     lines = [f"# Speculative decoding: {report['dataset']}", "",
@@ -293,6 +352,11 @@ def report_markdown(report: dict) -> str:
                   f"Decode speedup {t['decode_speedup']:.2f}x; with free drafting this tau allows "
                   f"{t['tau_limit_speedup']:.2f}x (loop efficiency {t['loop_efficiency']:.0%}); a perfect drafter "
                   f"(tau = {t['verify_tokens']}) {t['limit_speedup']:.2f}x."]
+    if "verify_schedule" in report:
+        vs = report["verify_schedule"]
+        lines += ["", f"Verify schedule `{vs['policy']}`: {report['mean_verified_drafts']:.2f} of up to "
+                      f"{report['block_size']} drafts verified a round (STS: {vs['sts'] or 'none, uncalibrated'}); "
+                      f"tau and accept rates count the verified drafts only."]
     if "hf_generate_tokens_per_s" in report:
         lines += ["", f"Plain HF `generate` (greedy, batch 1) on the same prompts: {report['hf_generate_tokens_per_s']:.1f} "
                       f"tok/s; speculative decoding is {report['speedup_vs_generate']:.2f}x of it; its output equals the "
@@ -358,6 +422,8 @@ def print_summary(report: dict) -> None:
           + (f"; {report['speedup_vs_generate']:.2f}x of HF generate's {report['hf_generate_tokens_per_s']:.1f}"
              if "hf_generate_tokens_per_s" in report else "") + "), accept@k "
           + ", ".join(f"{v:.2f}" for v in report["accept_rate_at_k"])
+          + (f"; {report['mean_verified_drafts']:.2f} drafts verified a round "
+             f"({report['verify_schedule']['policy']} schedule)" if "verify_schedule" in report else "")
           + (f"; n-gram drafter tau {report['ngram_baseline']['accept_len']:.3f} ({report['tau_vs_ngram']:.2f}x)"
              if "ngram_baseline" in report else "")
           + (f"; a round: draft {t['draft_ms']:.1f} + verify {t['verify_ms']:.1f} + other {t['other_ms']:.1f} ms, "

@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from eval.calibration import cumulative_confidence, logits_from_probs
 from export.serving import SpsTable
 
 
@@ -149,6 +150,28 @@ def fixed_gamma(survival, sps: SpsTable, gamma: int) -> Allocation:
     theta = tau * sps.sps(b) if a else 0.0
     admitted = [(r, j) for r, n in enumerate(lengths) for j in range(1, n + 1)]
     return Allocation(lengths, b, tau, theta, admitted, "fixed")
+
+
+class VerifySchedule:
+    """Algorithm 1 inside the batch-size-1 decode loop (``eval.py --schedule confidence``): each round verifies the
+    prefix of the drafts that ``schedule_batch`` admits for one request, from the drafter's confidences calibrated
+    with the STS temperatures (sts.json; None: as the head gives them) and the target's verify cost (an SpsTable).
+
+    At one request the scan visits the positions in order and stops at the first draft whose expected tokens do not
+    pay for the longer verify, so draft k is verified or not from c_1..c_k alone, which depend on drafts < k only: the
+    loop stays lossless (module docstring), at T=0 and under rejection sampling alike."""
+
+    def __init__(self, sps: SpsTable, temperatures: Sequence[float] | None = None):
+        self.sps = sps
+        self.temperatures = None if temperatures is None else np.asarray(temperatures, dtype=np.float64)
+
+    def __call__(self, confidences: Sequence[float]) -> int:
+        """How many of the drafts (one confidence each) to verify this round."""
+        if len(confidences) == 0:
+            return 0
+        logits = logits_from_probs(np.asarray(confidences, dtype=np.float64)[None, :], eps=1e-6)
+        temperatures = None if self.temperatures is None else self.temperatures[: logits.shape[1]]
+        return schedule_batch([cumulative_confidence(logits, temperatures)[0]], self.sps).lengths[0]
 
 
 # --- offline simulation -------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -509,9 +509,13 @@ def _emit(out: list[int], new: list[int], max_new_tokens: int, eos: set[int]) ->
 @torch.inference_mode()
 def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | None = None, max_new_tokens: int,
                          temperature: float = 0.0, eos_token_id=None, seed: int = 0,
-                         layer_ids=None, first_token_from_prefill: bool = False) -> GenerationResult:
+                         layer_ids=None, first_token_from_prefill: bool = False,
+                         schedule: Callable[[list[float]], int] | None = None) -> GenerationResult:
     """Generate from `target` with `drafter` proposing up to gamma tokens per round (gamma None: the drafter's
     default). `layer_ids` defaults to the drafter's; when both are given they must agree.
+
+    schedule: called with each round's draft confidences, returns how many of the drafts to verify (DSpark's
+    verify scheduler, eval/scheduler.py VerifySchedule); None verifies them all.
 
     first_token_from_prefill: take the first output token from the prompt's forward pass, with no draft, as SGLang
     and vLLM do; drafting starts from the second token (eval/live.py compares rounds with a server this way)."""
@@ -547,6 +551,11 @@ def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | N
             t0 = sync_clock(device)
             proposal = drafter.propose(gamma, temperature, generator)
             drafts = list(proposal.tokens[:gamma])
+            if schedule is not None and drafts:
+                if proposal.confidences is None:
+                    raise ValueError("a verify schedule reads the drafter's confidences, and this drafter gives none "
+                                     "(only a DSpark draft with a confidence head does)")
+                drafts = drafts[: schedule(proposal.confidences[: len(drafts)])]
             t1 = sync_clock(device)
             verified = runner.length
             logits, hidden = runner.forward([tokens[-1]] + drafts)

@@ -92,6 +92,9 @@ EVAL_CASES = [
     (["--dataset", "mtbenhc"], "Did you mean 'mtbench'?"),
     (["--dataset", "/nonexistent/prompts.jsonl"], "--dataset: file /nonexistent/prompts.jsonl not found"),
     (["--target", "/nonexistent/model"], "--target /nonexistent/model: no such model folder"),
+    (["--schedule", "confidence"], "--schedule confidence needs a DSpark draft folder"),
+    (["--sts", "/nonexistent/sts.json"], "--sts calibrates the confidence schedule"),
+    (["--schedule", "confidence", "--sts", "/nonexistent/sts.json"], "--sts /nonexistent/sts.json: [Errno 2]"),
 ]
 
 

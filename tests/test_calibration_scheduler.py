@@ -12,7 +12,7 @@ import torch
 
 from eval.calibration import (auroc, brier, calibrate_sts, calibration_report, cumulative_confidence, ece, fit_sts,
                               logits_from_probs, prefix_labels, split_rounds)
-from eval.scheduler import fixed_gamma, format_table, profile_sps, schedule_batch, simulate
+from eval.scheduler import VerifySchedule, fixed_gamma, format_table, profile_sps, schedule_batch, simulate
 from export.serving import SPS_KEYS, STS_KEYS, SpsTable, load_sts, save_sts
 
 
@@ -245,6 +245,25 @@ def test_schedule_batch_hand_example_with_early_stop():
     assert alloc.admitted == [(0, 1), (1, 1)]
     assert alloc.stop == "early_stop"
     assert 4.3 * JAGGED.sps(6) > alloc.theta  # the early stop, not the optimum, decided
+
+
+def test_verify_schedule_is_one_request_of_algorithm_1_on_calibrated_confidences():
+    table = SpsTable((1, 2, 3, 4), (10.0, 8.0, 7.0, 6.5), 8)
+    conf = [0.9, 0.6, 0.5, 0.9]  # survival 0.9, 0.54, 0.27, 0.243
+    # Theta 10 -> (1.9)(8) = 15.2 -> (2.44)(7) = 17.08 -> (2.71)(6.5) = 17.615 -> B = 5 reads SPS(4):
+    # (2.953)(6.5) = 19.19: every step raises Theta, all four drafts are verified
+    assert VerifySchedule(table)(conf) == 4
+    assert VerifySchedule(SpsTable((1, 2, 3), (10.0, 8.0, 6.0), 8))(conf) == 1  # (2.44)(6) = 14.64 <= 15.2: stop
+    assert VerifySchedule(SpsTable((1, 2), (10.0, 5.0), 8))(conf) == 0  # (1.9)(5) = 9.5 <= 10: verify no draft
+    assert VerifySchedule(table)([]) == 0
+    # STS temperatures act on the logits: T = 0.5 sharpens 0.9 to 0.988 and 0.2 to 0.059, so the second draft no
+    # longer pays: (1.9 + 0.18)(7.5) = 15.6 > 15.2 admits it uncalibrated, (1.988 + 0.058)(7.5) = 15.35 <= 15.9 not
+    mid = SpsTable((1, 2, 3), (10.0, 8.0, 7.5), 8)
+    conf = [0.9, 0.2]
+    assert VerifySchedule(mid)(conf) == 2
+    sharp = VerifySchedule(mid, temperatures=[0.5] * 7)  # more temperatures than drafts: the first ones apply
+    logits = np.log(np.array(conf) / (1 - np.array(conf)))
+    assert sharp(conf) == schedule_batch([np.cumprod(1 / (1 + np.exp(-logits / 0.5)))], mid).lengths[0] == 1
 
 
 def test_schedule_batch_tie_order_and_capacity():

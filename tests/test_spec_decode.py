@@ -30,7 +30,9 @@ from eval.spec_decode import (
     target_generate,
     verify_sampling,
 )
+from eval.scheduler import VerifySchedule
 from export.convert import export_draft
+from export.serving import SpsTable
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping
 from modeling.target import TargetRunner, capture_hidden_states, vocab_logits, weights_fingerprint
@@ -169,6 +171,43 @@ def test_greedy_is_lossless(target, name):
         assert accepted > 0
     if name == "draft-lm":  # partial acceptance: the draft LM's own cache was cropped mid-chain
         assert partial > 0
+
+
+def test_confidence_schedule_stays_lossless_and_verifies_what_it_admits(target):
+    """DSpark's verify scheduler inside the loop: each round verifies exactly the prefix of the drafts it admits (an
+    independent one-request scan by hand), the output still equals plain greedy decoding, and on a cost table where
+    longer verifies cost more the rounds verify between none and all of their drafts."""
+    drafter = make_drafter("dspark", target)
+    costs = SpsTable((1, 2, 3, 4, 5), (10.0, 6.76, 5.85, 5.3, 5.0), 8)  # c_1 > 0.48 pays for a first draft
+    schedule, decided = VerifySchedule(costs), []
+
+    def by_hand(conf):
+        survival, length, best = 1.0, 0, 10.0
+        for j, c in enumerate(conf, start=1):
+            survival *= c
+            theta = (1 + sum(math.prod(conf[:i]) for i in range(1, j + 1))) * costs.sps(1 + j)
+            if theta <= best:
+                break
+            length, best = j, theta
+        return length
+
+    def recording(conf):
+        decided.append((list(conf), schedule(conf)))
+        assert decided[-1][1] == by_hand(conf), conf
+        return decided[-1][1]
+
+    for prompt in PROMPTS:
+        ref = target_generate(target, prompt, 24)
+        start = len(decided)
+        spec = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24, schedule=recording)
+        assert spec.ids == ref.ids, prompt
+        assert [r.proposed for r in spec.rounds] == [n for _, n in decided[start:]]
+        assert all(r.confidences == conf[: r.proposed] for r, (conf, _) in zip(spec.rounds, decided[start:]))
+    lengths = {n for _, n in decided}
+    assert 0 in lengths and len(lengths) >= 3, lengths
+    with pytest.raises(ValueError, match="confidences"):  # a drafter without a confidence head cannot be scheduled
+        speculative_generate(target, make_drafter("dflash", target), PROMPTS[1], gamma=GAMMA, max_new_tokens=4,
+                             schedule=schedule)
 
 
 def test_oracle_accepts_everything_and_wrong_accepts_nothing(target):

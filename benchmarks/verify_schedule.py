@@ -1,0 +1,131 @@
+"""DSpark's verify scheduler in the batch-1 loop against fixed draft lengths and n-gram lookup, on held-out prompts.
+
+    python benchmarks/verify_schedule.py --draft runs/q60/dspark/train/final \
+        --eval-prompts runs/q60/eval_prompts.jsonl --calibration-prompts runs/q60/in_distribution_prompts.jsonl
+
+On a CPU a verify of 1 + l tokens costs more the larger l (on the 2-core Xeon the 8-token verify of gamma 7 costs
+1.36 plain steps), so a drafter whose later drafts are seldom accepted pays for verifying them. DSpark's confidence
+head says, before the verify, how likely each draft is to survive; its scheduler (the paper's Algorithm 1,
+eval/scheduler.py) verifies a draft only while the expected tokens pay for the longer verify. In one process, with
+one target and the same plain-loop baseline for every arm (T=0, exact match checked on every prompt):
+  1. calibration: the draft at gamma = --gamma on --calibration-prompts (prompts it never trained on, not the eval
+     ones: quality.py writes its training sources' unseen prompts there), whose eval writes sts.json;
+  2. on --eval-prompts: the draft at each fixed gamma in --gammas and at --gamma; the confidence schedule, uncalibrated
+     and with that sts.json; the n-gram drafter at the same fixed gammas (its best is the baseline to beat).
+Prints and writes OUT/verify_schedule.{json,md}: tau, drafts verified a round, ms a round, speedup over the plain loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TARGET = "smollm2-135m-instruct"
+
+
+def arms(gamma: int, gammas: list[int]) -> list[tuple[str, str, int, str]]:
+    """(name, drafter, gamma, schedule) in run order; `draft` stands for the --draft folder."""
+    fixed = sorted(set(gammas) | {gamma})
+    return ([(f"dspark gamma {g}", "draft", g, "fixed") for g in fixed]
+            + [("dspark confidence schedule, uncalibrated", "draft", gamma, "confidence"),
+               ("dspark confidence schedule, STS", "draft", gamma, "confidence")]
+            + [(f"n-gram gamma {g}", "ngram", g, "fixed") for g in fixed])
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# DSpark's verify scheduler in the batch-1 loop ({result['num_eval_prompts']} held-out prompts, T=0, "
+             f"{result['max_new_tokens']} new tokens)", "",
+             f"Draft `{result['draft']}`; STS fitted on {result['num_calibration_prompts']} other prompts "
+             f"(temperatures {', '.join(f'{t:.2f}' for t in result['sts_temperatures'])}). Plain loop "
+             f"{result['target_tokens_per_s']:.1f} tok/s ({result['target_step_ms']:.1f} ms a token).", "",
+             "| arm | tau | drafts verified a round | draft ms | verify ms | round ms | exact match | speedup vs "
+             "plain loop | vs the best n-gram |", "|---|---|---|---|---|---|---|---|---|"]
+    best_ngram = max(row["speedup"] for row in result["arms"] if row["drafter"] == "ngram")
+    for row in result["arms"]:
+        t = row["timing"]
+        lines.append(f"| {row['name']} | {row['accept_len']:.3f} | {row['mean_verified_drafts']:.2f} | "
+                     f"{t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['round_ms']:.1f} | {row['exact_match']} | "
+                     f"{row['speedup']:.2f}x | {row['speedup'] / best_ngram:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--draft", type=Path, required=True, help="a DSpark draft folder with a confidence head")
+    parser.add_argument("--eval-prompts", type=Path, required=True, help="held-out prompt file (JSON/JSONL)")
+    parser.add_argument("--calibration-prompts", type=Path, required=True,
+                        help="other prompts the draft never trained on, for the STS calibration")
+    parser.add_argument("--num-samples", type=int, default=0, help="eval prompts to use (0: all)")
+    parser.add_argument("--num-calibration", type=int, default=0, help="calibration prompts to use (0: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (128)")
+    parser.add_argument("--gamma", type=int, default=7, help="the draft's block: the scheduler's longest verify (7)")
+    parser.add_argument("--gammas", default="1,2,3", help="fixed draft lengths compared besides --gamma (1,2,3)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "verify_schedule", help="(runs/verify_schedule)")
+    args = parser.parse_args(argv)
+    from modeling.draft_folder import is_draft_dir
+
+    problems = [f"{flag} {path}: no such file" for flag, path in (("--eval-prompts", args.eval_prompts),
+                ("--calibration-prompts", args.calibration_prompts)) if not path.is_file()]
+    if not is_draft_dir(args.draft):
+        problems.append(f"--draft {args.draft}: not a draft folder (config.json + model.safetensors)")
+    try:
+        gammas = [int(g) for g in args.gammas.split(",") if g.strip()]
+    except ValueError:
+        gammas = [0]
+    if not gammas or min(gammas) < 1 or args.gamma < 1:
+        problems.append(f"--gammas {args.gammas} / --gamma {args.gamma}: draft lengths must be integers >= 1")
+    if problems:
+        parser.error("\n  ".join(problems))
+
+    import torch
+
+    from core.malloc import keep_freed_memory
+    from eval.run import run_eval
+    from modeling.target import load_target
+
+    keep_freed_memory()
+    target = load_target(TARGET, "cuda" if torch.cuda.is_available() else "cpu")
+    common = dict(target_name=TARGET, temperature=0.0, max_new_tokens=args.max_new_tokens, scheduler=False,
+                  target=target)
+    calibration = run_eval(draft=str(args.draft), dataset=str(args.calibration_prompts),
+                           out_dir=args.out / "calibration", num_samples=args.num_calibration, block_size=args.gamma,
+                           **common)
+    if "calibration" not in calibration:
+        parser.error(f"--draft {args.draft}: no confidence head, nothing to schedule with")
+    sts = calibration["calibration"]["sts_path"]
+    baselines, rows = {}, []
+    for name, drafter, gamma, schedule in arms(args.gamma, gammas):
+        calibrated = name.endswith("STS")
+        report = run_eval(draft=str(args.draft) if drafter == "draft" else drafter, dataset=str(args.eval_prompts),
+                          out_dir=args.out / name.replace(" ", "_").replace(",", ""), num_samples=args.num_samples,
+                          block_size=gamma, baselines=baselines, verify_schedule=schedule,
+                          sts_path=sts if calibrated else None, **common)
+        rows.append({"name": name, "drafter": drafter, "gamma": gamma, "schedule": schedule,
+                     "accept_len": report["accept_len"], "exact_match": report["exact_match"],
+                     "speedup": report["speedup"], "timing": report["timing"],
+                     "mean_verified_drafts": report["mean_verified_drafts"]})
+        print(f"[verify_schedule] {name}: tau {report['accept_len']:.3f}, {report['mean_verified_drafts']:.2f} drafts "
+              f"verified a round, speedup {report['speedup']:.2f}x, exact match {report['exact_match']}", flush=True)
+    first = rows[0]
+    result = {"draft": str(args.draft), "eval_prompts": str(args.eval_prompts),
+              "num_eval_prompts": report["num_samples"],
+              "num_calibration_prompts": calibration["num_samples"], "max_new_tokens": args.max_new_tokens,
+              "sts_temperatures": calibration["calibration"]["sts_temperatures"],
+              "target_tokens_per_s": report["target_tokens_per_s"],
+              "target_step_ms": first["timing"]["target_step_ms"], "arms": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "verify_schedule.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = markdown(result)
+    (args.out / "verify_schedule.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
