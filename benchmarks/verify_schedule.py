@@ -13,6 +13,11 @@ one target and the same plain-loop baseline for every arm (T=0, exact match chec
   2. on --eval-prompts: the draft at each fixed gamma in --gammas and at --gamma; the confidence schedule, uncalibrated
      and with that sts.json; the n-gram drafter at the same fixed gammas (its best is the baseline to beat).
 Prints and writes OUT/verify_schedule.{json,md}: tau, drafts verified a round, ms a round, speedup over the plain loop.
+
+The arms differ by a few percent in speed while a shared 2-core machine's speed drifts by tens of percent over
+minutes (two runs arm after arm: n-gram at gamma 2 1.58x, then 1.02x). So every prompt is decoded by every arm back
+to back, in reversed order on every other prompt, between two plain decodes of it: each arm's speedup is its tokens/s
+over the plain loop's in the same minutes. `plain_repeat_spread` reports how far a prompt's two plain decodes differ.
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ def markdown(result: dict) -> str:
              f"{result['max_new_tokens']} new tokens)", "",
              f"Draft `{result['draft']}`; STS fitted on {result['num_calibration_prompts']} other prompts "
              f"(temperatures {', '.join(f'{t:.2f}' for t in result['sts_temperatures'])}). Plain loop "
-             f"{result['target_tokens_per_s']:.1f} tok/s ({result['target_step_ms']:.1f} ms a token).", "",
+             f"{result['target_tokens_per_s']:.1f} tok/s ({result['target_step_ms']:.1f} ms a token); a prompt's two "
+             f"plain decodes differ by {result['plain_repeat_spread']:.1%} (median). Every prompt decoded by every arm "
+             "back to back.", "",
              "| arm | tau | drafts verified a round | draft ms | verify ms | round ms | exact match | speedup vs "
              "plain loop | vs the best n-gram |", "|---|---|---|---|---|---|---|---|---|"]
     best_ngram = max(row["speedup"] for row in result["arms"] if row["drafter"] == "ngram")
@@ -83,42 +90,74 @@ def main(argv=None) -> int:
     if problems:
         parser.error("\n  ".join(problems))
 
+    import statistics
+
     import torch
 
     from core.malloc import keep_freed_memory
-    from eval.run import run_eval
-    from modeling.target import load_target
+    from data.prompts import eval_prompts
+    from eval.run import acceptance_metrics, first_turn_ids, loop_schedule, make_drafter, round_timing, run_eval
+    from eval.spec_decode import speculative_generate, target_generate
+    from modeling.target import load_target, load_tokenizer
+    from tqdm.auto import tqdm
 
     keep_freed_memory()
     target = load_target(TARGET, "cuda" if torch.cuda.is_available() else "cpu")
-    common = dict(target_name=TARGET, temperature=0.0, max_new_tokens=args.max_new_tokens, scheduler=False,
-                  target=target)
-    calibration = run_eval(draft=str(args.draft), dataset=str(args.calibration_prompts),
-                           out_dir=args.out / "calibration", num_samples=args.num_calibration, block_size=args.gamma,
-                           **common)
+    tokenizer = load_tokenizer(TARGET)
+    calibration = run_eval(draft=str(args.draft), target_name=TARGET, dataset=str(args.calibration_prompts),
+                           out_dir=args.out / "calibration", num_samples=args.num_calibration, temperature=0.0,
+                           block_size=args.gamma, max_new_tokens=args.max_new_tokens, scheduler=False, target=target)
     if "calibration" not in calibration:
         parser.error(f"--draft {args.draft}: no confidence head, nothing to schedule with")
     sts = calibration["calibration"]["sts_path"]
-    baselines, rows = {}, []
-    for name, drafter, gamma, schedule in arms(args.gamma, gammas):
-        calibrated = name.endswith("STS")
-        report = run_eval(draft=str(args.draft) if drafter == "draft" else drafter, dataset=str(args.eval_prompts),
-                          out_dir=args.out / name.replace(" ", "_").replace(",", ""), num_samples=args.num_samples,
-                          block_size=gamma, baselines=baselines, verify_schedule=schedule,
-                          sts_path=sts if calibrated else None, **common)
-        rows.append({"name": name, "drafter": drafter, "gamma": gamma, "schedule": schedule,
-                     "accept_len": report["accept_len"], "exact_match": report["exact_match"],
-                     "speedup": report["speedup"], "timing": report["timing"],
-                     "mean_verified_drafts": report["mean_verified_drafts"]})
-        print(f"[verify_schedule] {name}: tau {report['accept_len']:.3f}, {report['mean_verified_drafts']:.2f} drafts "
-              f"verified a round, speedup {report['speedup']:.2f}x, exact match {report['exact_match']}", flush=True)
-    first = rows[0]
-    result = {"draft": str(args.draft), "eval_prompts": str(args.eval_prompts),
-              "num_eval_prompts": report["num_samples"],
+    runs = []
+    for name, drafter_name, gamma, policy in arms(args.gamma, gammas):
+        drafter = make_drafter(str(args.draft) if drafter_name == "draft" else drafter_name, target, gamma)
+        schedule = None
+        if policy != "fixed":
+            arm_dir = args.out / name.replace(" ", "_").replace(",", "")
+            arm_dir.mkdir(parents=True, exist_ok=True)
+            schedule, _ = loop_schedule(target, drafter, gamma, policy, sts if name.endswith("STS") else None, arm_dir)
+        runs.append({"name": name, "drafter": drafter_name, "gamma": gamma, "schedule": policy, "model": drafter,
+                     "verify": schedule, "rounds": [], "time": 0.0, "prefill": 0.0, "tokens": 0, "exact": 0})
+    prompts = eval_prompts(str(args.eval_prompts), args.num_samples, 0)
+    plain_time = plain_prefill = plain_tokens = 0.0
+    spreads = []
+    for i, prompt in enumerate(tqdm(prompts, desc="prompts (every arm)", unit="prompt")):
+        ids = first_turn_ids(tokenizer, prompt, None, False)
+        plain = [target_generate(target, ids, args.max_new_tokens, 0.0, tokenizer.eos_token_id, seed=i)]
+        for run in runs if i % 2 == 0 else reversed(runs):
+            result = speculative_generate(target, run["model"], ids, gamma=run["gamma"],
+                                          max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                          seed=i, schedule=run["verify"])
+            run["rounds"] += result.rounds
+            run["time"] += result.wall_s
+            run["prefill"] += result.prefill_s
+            run["tokens"] += len(result.ids)
+            run["exact"] += result.ids == plain[0].ids
+        plain.append(target_generate(target, ids, args.max_new_tokens, 0.0, tokenizer.eos_token_id, seed=i))
+        spreads.append(abs(plain[0].wall_s / plain[1].wall_s - 1.0))
+        plain_time += (plain[0].wall_s + plain[1].wall_s) / 2
+        plain_prefill += (plain[0].prefill_s + plain[1].prefill_s) / 2
+        plain_tokens += len(plain[0].ids)
+    plain_rate = plain_tokens / plain_time
+    rows = []
+    for run in runs:
+        metrics = acceptance_metrics(run["rounds"], run["gamma"])
+        row = {key: run[key] for key in ("name", "drafter", "gamma", "schedule")}
+        row.update(accept_len=metrics["accept_len"], mean_verified_drafts=metrics["mean_verified_drafts"],
+                   exact_match=run["exact"] / len(prompts), speedup=run["tokens"] / run["time"] / plain_rate,
+                   timing=round_timing(run["rounds"], run["gamma"], spec_decode_s=run["time"] - run["prefill"],
+                                       spec_tokens=run["tokens"], target_decode_s=plain_time - plain_prefill,
+                                       target_tokens=plain_tokens))
+        rows.append(row)
+        print(f"[verify_schedule] {row['name']}: tau {row['accept_len']:.3f}, {row['mean_verified_drafts']:.2f} drafts "
+              f"verified a round, speedup {row['speedup']:.2f}x, exact match {row['exact_match']}", flush=True)
+    result = {"draft": str(args.draft), "eval_prompts": str(args.eval_prompts), "num_eval_prompts": len(prompts),
               "num_calibration_prompts": calibration["num_samples"], "max_new_tokens": args.max_new_tokens,
-              "sts_temperatures": calibration["calibration"]["sts_temperatures"],
-              "target_tokens_per_s": report["target_tokens_per_s"],
-              "target_step_ms": first["timing"]["target_step_ms"], "arms": rows}
+              "sts_temperatures": calibration["calibration"]["sts_temperatures"], "target_tokens_per_s": plain_rate,
+              "target_step_ms": rows[0]["timing"]["target_step_ms"],
+              "plain_repeat_spread": statistics.median(spreads), "arms": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "verify_schedule.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)

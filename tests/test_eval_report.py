@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from conftest import ROOT
-from eval.run import acceptance_metrics, round_timing, run_eval
+from eval.run import ScheduleError, acceptance_metrics, round_timing, run_eval
 from eval.spec_decode import RoundRecord
+from export.serving import save_sts
 from modeling.target import load_target
 from train.algorithms import BlockAlgorithm
 from core.recipe import load_recipe
@@ -76,6 +77,30 @@ def test_eval_writes_the_report_and_is_exact(random_dspark, tiny_qwen3, prompt_f
     sps = json.loads((tmp_path / "sps_table.json").read_text())
     assert set(sps) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
     assert {row["policy"] for row in report["scheduler"]["rows"]} >= {"scheduler", "fixed_gamma=3"}
+
+
+def test_confidence_schedule_run_is_exact_and_reports_what_it_verified(random_dspark, tiny_qwen3, prompt_file,
+                                                                       tmp_path):
+    """`--schedule confidence` end to end: the loop's verify costs profiled to gamma + 1 tokens, the STS read, every
+    output equal to the target's greedy one, and the report saying how many drafts a round were verified; the
+    calibration is not fitted on a scheduled run (it saw only the drafts it admitted)."""
+    sts = tmp_path / "sts.json"
+    save_sts(sts, [1.0, 2.0, 4.0])
+    report = run_eval(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                      out_dir=tmp_path / "run", num_samples=3, temperature=0.0, block_size=None, max_new_tokens=10,
+                      verify_schedule="confidence", sts_path=str(sts))
+    assert report["exact_match"] == 1.0 and "calibration" not in report
+    schedule = report["verify_schedule"]
+    assert schedule["policy"] == "confidence" and list(schedule["temperatures"]) == [1.0, 2.0, 4.0]
+    sps = json.loads((tmp_path / "run" / "loop_sps_table.json").read_text())
+    assert sps["sample_batch_tokens"] == [1, 2, 3, 4] and min(sps["sample_steps_per_sec"]) > 0
+    assert 0.0 <= report["mean_verified_drafts"] <= 3.0
+    assert "Verify schedule `confidence`" in (tmp_path / "run" / "report.md").read_text()
+    save_sts(sts, [1.0, 2.0])  # calibrated for 2 draft positions, asked to schedule 3
+    with pytest.raises(ScheduleError, match="2 temperatures for 3 draft positions"):
+        run_eval(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                 out_dir=tmp_path / "short", num_samples=1, temperature=0.0, block_size=None, max_new_tokens=4,
+                 verify_schedule="confidence", sts_path=str(sts))
 
 
 def test_ngram_baseline_from_the_command_line(tiny_qwen3, prompt_file, tmp_path):
