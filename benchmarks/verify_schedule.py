@@ -1,6 +1,6 @@
 """DSpark's verify scheduler in the batch-1 loop against fixed draft lengths and n-gram lookup, on held-out prompts.
 
-    python benchmarks/verify_schedule.py --draft runs/q60/dspark/train/final \
+    python benchmarks/verify_schedule.py --draft runs/q60/dspark/train/final \\
         --eval-prompts runs/q60/eval_prompts.jsonl --calibration-prompts runs/q60/in_distribution_prompts.jsonl
 
 On a CPU a verify of 1 + l tokens costs more the larger l (on the 2-core Xeon the 8-token verify of gamma 7 costs
