@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -295,11 +294,8 @@ class ScheduleError(ValueError):
 def profile_loop_sps(target, layer_ids, max_tokens: int, context_tokens: int = 256, sweeps: int = 9) -> SpsTable:
     """The target's verify steps/s at 1..max_tokens new tokens after a context_tokens-token prefix, through the loop's
     own KV-cached runner (a forward, then the rollback): what a batch-1 round pays, for the in-loop scheduler. The
-    prefix tokens are fixed pseudo-random ids; the cost of a forward does not depend on which.
-
-    On a CPU the sizes differ by a few percent while the machine's speed drifts by as much over a second, so each
-    sweep times every size once and a size's rate is its median over the sweeps: drift then moves all sizes alike
-    instead of whichever was timed last (timed size by size, two runs' tables ordered the sizes differently)."""
+    prefix tokens are fixed pseudo-random ids; the cost of a forward does not depend on which. The sizes are timed in
+    interleaved sweeps (profile_sps): timed size by size, two runs' tables ordered the sizes differently."""
     device = next(target.parameters()).device
     ids = torch.randint(0, target.config.vocab_size, (context_tokens + max_tokens,),
                         generator=torch.Generator().manual_seed(0)).tolist()
@@ -310,10 +306,8 @@ def profile_loop_sps(target, layer_ids, max_tokens: int, context_tokens: int = 2
             runner.forward(ids[context_tokens: context_tokens + batch_tokens])
             runner.crop(context_tokens)
 
-        tables = [profile_sps(verify_step, range(1, max_tokens + 1), repeats=1, warmup=int(sweep == 0),
-                              clock=lambda: sync_clock(device)) for sweep in range(sweeps)]
-    rates = np.median([table.steps_per_sec for table in tables], axis=0)
-    return SpsTable(tables[0].batch_tokens, tuple(float(r) for r in rates), max_tokens)
+        return profile_sps(verify_step, range(1, max_tokens + 1), repeats=sweeps, interleave=True,
+                           clock=lambda: sync_clock(device))
 
 
 def loop_schedule(target, drafter, gamma: int, policy: str, sts_path, out_dir: Path):

@@ -40,28 +40,46 @@ from export.serving import SpsTable
 
 
 def profile_sps(step_fn: Callable[[int], object], batch_tokens: Sequence[int], repeats: int = 3, warmup: int = 1,
-                max_batch_tokens: int | None = None, clock: Callable[[], float] = time.perf_counter) -> SpsTable:
+                max_batch_tokens: int | None = None, clock: Callable[[], float] = time.perf_counter,
+                interleave: bool = False) -> SpsTable:
     """Time ``step_fn(B)`` (one target verify step over B tokens) at each B; steps/sec = 1 / median wall time.
 
     ``step_fn`` must block until the step is done (call ``torch.cuda.synchronize()`` inside it on a GPU). Each B
     gets ``warmup`` untimed calls first (CUDA graphs, allocator, autotuning). ``max_batch_tokens`` defaults to the
     largest B. ``clock`` is injectable for tests.
+
+    interleave: time the sizes in ``repeats`` sweeps (every B once a sweep) instead of B after B. Where the sizes
+    differ by a few percent and the machine's speed drifts by as much over a second (a shared CPU), drift then moves
+    all sizes alike instead of whichever was timed last.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats} warmup={warmup}")
     sizes = sorted(set(int(b) for b in batch_tokens))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"batch_tokens must be a non-empty list of ints >= 1, got {list(batch_tokens)}")
+    times = {b: [] for b in sizes}
+
+    def timed(b: int) -> None:
+        t0 = clock()
+        step_fn(b)
+        times[b].append(clock() - t0)
+
+    if interleave:
+        for b in sizes:
+            for _ in range(warmup):
+                step_fn(b)
+        for _ in range(repeats):
+            for b in sizes:
+                timed(b)
+    else:
+        for b in sizes:
+            for _ in range(warmup):
+                step_fn(b)
+            for _ in range(repeats):
+                timed(b)
     rates = []
     for b in sizes:
-        for _ in range(warmup):
-            step_fn(b)
-        times = []
-        for _ in range(repeats):
-            t0 = clock()
-            step_fn(b)
-            times.append(clock() - t0)
-        med = statistics.median(times)
+        med = statistics.median(times[b])
         if not med > 0:
             raise RuntimeError(f"step_fn({b}) took {med} s by the clock; cannot turn that into steps/second")
         rates.append(1.0 / med)

@@ -228,6 +228,21 @@ def test_profile_sps_median_and_warmup():
     assert calls == [2] * 4 + [8] * 4
 
 
+def test_profile_sps_interleaved_sweeps_share_the_drift():
+    """interleave=True: warm each size, then time every size once a sweep; a machine slowing down step by step slows
+    both sizes alike, so their ratio survives (timed size after size, the later size would take all the slowdown)."""
+    now, calls = [0.0], []
+
+    def step(b):
+        calls.append(b)
+        now[0] += 0.01 * b * (1 + 0.1 * len(calls))  # every call 10% slower than the first
+
+    table = profile_sps(step, [2, 4], repeats=3, warmup=1, clock=lambda: now[0], interleave=True)
+    assert calls == [2, 4] + [2, 4] * 3
+    # medians: 2 at calls 3,5,7 -> call 5; 4 at calls 4,6,8 -> call 6
+    assert table.steps_per_sec == pytest.approx((1 / (0.02 * 1.5), 1 / (0.04 * 1.6)))
+
+
 # --- Algorithm 1 --------------------------------------------------------------------------------------------------
 
 # a jagged table: SPS(6) recovers after the cliff at 5, which only a global search would exploit
