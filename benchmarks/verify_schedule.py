@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         if policy != "fixed":
             arm_dir = args.out / name.replace(" ", "_").replace(",", "")
             arm_dir.mkdir(parents=True, exist_ok=True)
-            schedule, _ = loop_schedule(target, drafter, gamma, policy, sts if name.endswith("STS") else None, arm_dir)
+            schedule, _ = loop_schedule(target, drafter, gamma, sts if name.endswith("STS") else None, arm_dir)
         runs.append({"name": name, "drafter": drafter_name, "gamma": gamma, "schedule": policy, "model": drafter,
                      "verify": schedule, "rounds": [], "time": 0.0, "prefill": 0.0, "tokens": 0, "exact": 0})
     prompts = eval_prompts(str(args.eval_prompts), args.num_samples, 0)

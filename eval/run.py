@@ -127,6 +127,8 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     admits each round (eval/scheduler.py VerifySchedule), from the confidence head calibrated with `sts_path` (an
     sts.json written by an eval on other prompts; None: uncalibrated) and this machine's verify cost, profiled
     through the loop's own cache (`loop_sps_table.json`). Report `verify_schedule`."""
+    if verify_schedule not in SCHEDULES:
+        raise ScheduleError(f"unknown verify schedule {verify_schedule!r}; known: {', '.join(SCHEDULES)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
@@ -135,8 +137,8 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     drafter = make_drafter(draft, target, block_size or 7, any_target, full_vocab)
     gamma = block_size or drafter.default_gamma
     schedule = None
-    if verify_schedule != "fixed":
-        schedule, schedule_report = loop_schedule(target, drafter, gamma, verify_schedule, sts_path, out_dir)
+    if verify_schedule == "confidence":
+        schedule, schedule_report = loop_schedule(target, drafter, gamma, sts_path, out_dir)
     draft_vocab = getattr(getattr(drafter, "model", None), "draft_vocab", None)
     prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
     greedy = is_greedy(temperature)
@@ -310,10 +312,8 @@ def profile_loop_sps(target, layer_ids, max_tokens: int, context_tokens: int = 2
                            clock=lambda: sync_clock(device))
 
 
-def loop_schedule(target, drafter, gamma: int, policy: str, sts_path, out_dir: Path):
-    """(the schedule speculative_generate calls each round, what the report says about it) for `policy`."""
-    if policy not in SCHEDULES:
-        raise ScheduleError(f"unknown verify schedule {policy!r}; known: {', '.join(SCHEDULES)}")
+def loop_schedule(target, drafter, gamma: int, sts_path, out_dir: Path):
+    """(the confidence schedule speculative_generate calls each round, what the report says about it)."""
     model = getattr(drafter, "model", None)
     if getattr(model, "confidence_head", None) is None:
         raise ScheduleError("--schedule confidence reads the draft's confidence head: only a DSpark draft trained "
@@ -326,7 +326,7 @@ def loop_schedule(target, drafter, gamma: int, policy: str, sts_path, out_dir: P
                                 f"calibrate with an eval at --block-size {gamma} or more")
     table = profile_loop_sps(target, drafter.layer_ids, gamma + 1)
     table.save(out_dir / "loop_sps_table.json")
-    return VerifySchedule(table, temperatures), {"policy": policy, "sts": None if sts_path is None else str(sts_path),
+    return VerifySchedule(table, temperatures), {"policy": "confidence", "sts": None if sts_path is None else str(sts_path),
                                                  "temperatures": temperatures, "loop_sps_table": table.to_json()}
 
 
