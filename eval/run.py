@@ -207,7 +207,7 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     if rounds and rounds[0].confidences is not None and schedule is None:
         report["calibration"] = _calibrate(rounds, gamma, out_dir, dataset)
         if scheduler:
-            report["scheduler"] = _schedule(target, rounds, gamma, out_dir, seed)
+            report["scheduler"] = _schedule(target, drafter.layer_ids, rounds, gamma, out_dir, seed)
     atomic_write_json(out_dir / "report.json", report)
     atomic_write_text(out_dir / "report.md", report_markdown(report))
     plot_acceptance(report, out_dir / "accept_rate.png")
@@ -267,19 +267,10 @@ def _calibrate(rounds, gamma: int, out_dir: Path, dataset: str) -> dict:
             "ece_after": result["ece_after"], "sts_path": str(out_dir / "sts.json")}
 
 
-def _schedule(target, rounds, gamma: int, out_dir: Path, seed: int) -> dict:
-    vocab = target.config.vocab_size
-    device = next(target.parameters()).device
-    sizes = [1, 2, 4, 8, 16, 32, 64, 128]
-    # One verify forward over B new tokens; the inputs are made before the clock runs.
-    inputs = {b: torch.randint(0, vocab, (1, b), generator=torch.Generator().manual_seed(b)).to(device) for b in sizes}
-
-    @torch.inference_mode()
-    def verify_step(batch_tokens: int):
-        target(inputs[batch_tokens])
-
-    # sync_clock waits for the GPU's queued kernels, so a step is timed when it is done, not when it is launched.
-    table = profile_sps(verify_step, sizes, repeats=3, clock=lambda: sync_clock(device))
+def _schedule(target, layer_ids, rounds, gamma: int, out_dir: Path, seed: int) -> dict:
+    # The SPS table SGLang's scheduler reads: verify steps of up to 128 tokens (a batch of requests' drafts), timed
+    # like the loop's own profile (after a context, in interleaved sweeps).
+    table = profile_loop_sps(target, layer_ids, [1, 2, 4, 8, 16, 32, 64, 128])
     table.save(out_dir / "sps_table.json")
     by_request = [[(r.confidences, r.accept_flags) for r in rounds]]
     rows = simulate(by_request, table, gammas=list(range(1, gamma + 1)), batch_sizes=(1, 4, 16), seed=seed)
@@ -293,13 +284,14 @@ class ScheduleError(ValueError):
     """A verify schedule this draft or calibration file cannot give (eval.py answers it with exit code 2)."""
 
 
-def profile_loop_sps(target, layer_ids, max_tokens: int, context_tokens: int = 256, sweeps: int = 9) -> SpsTable:
-    """The target's verify steps/s at 1..max_tokens new tokens after a context_tokens-token prefix, through the loop's
-    own KV-cached runner (a forward, then the rollback): what a batch-1 round pays, for the in-loop scheduler. The
-    prefix tokens are fixed pseudo-random ids; the cost of a forward does not depend on which. The sizes are timed in
-    interleaved sweeps (profile_sps): timed size by size, two runs' tables ordered the sizes differently."""
+def profile_loop_sps(target, layer_ids, sizes, context_tokens: int = 256, sweeps: int = 9) -> SpsTable:
+    """The target's verify steps/s at each of `sizes` new tokens after a context_tokens-token prefix, through the
+    loop's own KV-cached runner (a forward, then the rollback): what a round pays. The prefix tokens are fixed
+    pseudo-random ids; the cost of a forward does not depend on which. The sizes are timed in interleaved sweeps
+    (profile_sps): timed size by size, two runs' tables ordered the sizes differently."""
+    sizes = sorted(set(sizes))
     device = next(target.parameters()).device
-    ids = torch.randint(0, target.config.vocab_size, (context_tokens + max_tokens,),
+    ids = torch.randint(0, target.config.vocab_size, (context_tokens + sizes[-1],),
                         generator=torch.Generator().manual_seed(0)).tolist()
     with TargetRunner(target, layer_ids) as runner:
         runner.forward(ids[:context_tokens], logits="none")
@@ -308,8 +300,8 @@ def profile_loop_sps(target, layer_ids, max_tokens: int, context_tokens: int = 2
             runner.forward(ids[context_tokens: context_tokens + batch_tokens])
             runner.crop(context_tokens)
 
-        return profile_sps(verify_step, range(1, max_tokens + 1), repeats=sweeps, interleave=True,
-                           clock=lambda: sync_clock(device))
+        # sync_clock waits for the GPU's queued kernels, so a step is timed when it is done, not when it is launched.
+        return profile_sps(verify_step, sizes, repeats=sweeps, interleave=True, clock=lambda: sync_clock(device))
 
 
 def loop_schedule(target, drafter, gamma: int, sts_path, out_dir: Path):
@@ -324,7 +316,7 @@ def loop_schedule(target, drafter, gamma: int, sts_path, out_dir: Path):
         if len(temperatures) < gamma:
             raise ScheduleError(f"--sts {sts_path}: {len(temperatures)} temperatures for {gamma} draft positions; "
                                 f"calibrate with an eval at --block-size {gamma} or more")
-    table = profile_loop_sps(target, drafter.layer_ids, gamma + 1)
+    table = profile_loop_sps(target, drafter.layer_ids, range(1, gamma + 2))
     table.save(out_dir / "loop_sps_table.json")
     return VerifySchedule(table, temperatures), {"policy": "confidence", "sts": None if sts_path is None else str(sts_path),
                                                  "temperatures": temperatures, "loop_sps_table": table.to_json()}
