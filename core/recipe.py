@@ -197,6 +197,10 @@ class TrainConfig:
     #: loss distils) while training, in units of each dimension's RMS over the data: EAGLE's feature noise, so the
     #: drafter cannot key on exact states it has seen. 0 = off.
     feature_noise: float = 0.0
+    #: dropout on the drafter's residual branches (each decoder layer's attention and MLP output) while training, a
+    #: regulariser against memorising the training answers; masks drawn per micro-batch from (seed, step, rank), so a
+    #: resumed run drops the same units. Training only: nothing of it is in the exported config. 0 = off.
+    dropout: float = 0.0
     global_batch_size: int = 512
     micro_batch_size: int = 1
     max_grad_norm: float = 1.0
@@ -471,7 +475,7 @@ def _check_values(recipe: Recipe) -> None:
     if not 0.0 <= recipe.train.warmup_ratio <= 1.0:
         problems.append(f"train.warmup_ratio must be in [0, 1] (a fraction of train.max_steps), "
                         f"got {recipe.train.warmup_ratio}")
-    for key in ("train.adam_beta1", "train.adam_beta2"):
+    for key in ("train.adam_beta1", "train.adam_beta2", "train.dropout"):
         if not 0.0 <= _get(recipe, key) < 1.0:
             problems.append(f"{key} must be in [0, 1), got {_get(recipe, key)}")
     if any(i < 0 for i in recipe.target.layer_ids):

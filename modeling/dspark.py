@@ -259,11 +259,13 @@ class DSparkDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.dropout = 0.0  # on the residual branches while training (train.dropout); not a config key
 
     def forward(self, x, context_kv, rope_block, mask, attn_impl):
         # H_ctx is already normalised by hidden_norm, so only the block goes through input_layernorm.
-        x = x + self.self_attn(self.input_layernorm(x), context_kv, rope_block, mask, attn_impl)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), context_kv, rope_block, mask, attn_impl)
+        x = x + F.dropout(attn, self.dropout, self.training)
+        return x + F.dropout(self.mlp(self.post_attention_layernorm(x)), self.dropout, self.training)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

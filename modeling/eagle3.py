@@ -252,6 +252,7 @@ class Eagle3DecoderLayer(nn.Module):
         if fuse_embeds:
             self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.dropout = 0.0  # on the residual branches while training (train.dropout); not a config key
 
     def forward(self, embeds, hidden, cos, sin, mask, cache) -> torch.Tensor:
         residual = hidden
@@ -259,8 +260,8 @@ class Eagle3DecoderLayer(nn.Module):
             x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         else:
             x = self.input_layernorm(hidden)
-        hidden = residual + self.self_attn(x, cos, sin, mask, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = residual + F.dropout(self.self_attn(x, cos, sin, mask, cache), self.dropout, self.training)
+        return hidden + F.dropout(self.mlp(self.post_attention_layernorm(hidden)), self.dropout, self.training)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -434,6 +434,31 @@ def test_feature_noise_is_seeded_per_sample_and_scaled_per_dimension():
     assert noisy["last_hidden_state"] is batch["last_hidden_state"] and torch.equal(hidden, torch.zeros_like(hidden))
 
 
+def test_dropout_is_training_only_and_seeded_per_micro_batch():
+    """train.dropout: the residual branches drop units in training only; the same (seed, step, rank, micro-batch)
+    drops the same units (a resumed run repeats the first run), another drops others; the global RNG is untouched."""
+    from train.algorithms import seeded_dropout, set_dropout
+
+    model = make_model(markov_rank=8)
+    ids, hidden, attn = make_batch()
+    anchors = torch.tensor([[1, 6, 11, -1], [2, 7, 12, 13]])
+    plain = model(ids, hidden, anchors, attn, attn_impl="sdpa")
+    set_dropout(model, 0.3)
+    assert [layer.dropout for layer in model.layers] == [0.3, 0.3]
+    torch.testing.assert_close(model(ids, hidden, anchors, attn, attn_impl="sdpa"), plain)  # eval: no dropout
+    model.train()
+    rng = torch.get_rng_state()
+    outs = []
+    for seed in [(42, 7, 0, 0), (42, 7, 0, 0), (42, 7, 1, 0)]:
+        with seeded_dropout(0.3, seed, torch.device("cpu")):
+            outs.append(model(ids, hidden, anchors, attn, attn_impl="sdpa"))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    assert not torch.allclose(outs[0], plain)
+    set_dropout(model, 0.0)
+    torch.testing.assert_close(model(ids, hidden, anchors, attn, attn_impl="sdpa"), plain)
+
+
 def test_lookup_hits_are_the_ngram_drafters_first_proposals():
     """eval.replay.lookup_hits marks the positions whose next token the n-gram drafter (prompt lookup) proposes
     first: the same rule, checked against NgramDrafter itself on repetitive random rows."""

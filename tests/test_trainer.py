@@ -119,15 +119,20 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     assert f"tau = {report['accept_len']:.3f}" in done.stdout
 
 
+def dropout_run(zero_stage: int) -> dict:
+    return {"train.zero_stage": zero_stage, "train.dropout": 0.1}
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(prepared, tiny_qwen3, prompt_file, tmp_path_factory):
-    """clean(zero_stage): the run folder of the 6-step dspark run never killed, made once per ZeRO stage."""
+    """clean(zero_stage): the run folder of the 6-step dspark run never killed, made once per ZeRO stage (with
+    train.dropout: a resumed run must draw the masks the first run drew)."""
     runs = {}
 
     def clean(zero_stage: int):
         if zero_stage not in runs:
             out = copy_run(prepared, "dspark", tmp_path_factory.mktemp(f"clean-zero{zero_stage}") / "run")
-            done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, **{"train.zero_stage": zero_stage}))
+            done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, **dropout_run(zero_stage)))
             assert done.returncode == 0, done.stderr[-3000:]
             runs[zero_stage] = out
         return runs[zero_stage]
@@ -153,7 +158,7 @@ def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, unin
                                              tmp_path, drill):
     drill("kill", f"kill -9 at {kill_at}, ZeRO-{zero_stage}")
     clean, crashed = uninterrupted(zero_stage), copy_run(prepared, "dspark", tmp_path / "crash")
-    extra = {"train.zero_stage": zero_stage}
+    extra = dropout_run(zero_stage)
     # keep_checkpoints is not a result-changing setting: the resumed run may use another value (the default 2)
     killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra,
                                 **{"train.keep_checkpoints": 1}),

@@ -14,13 +14,17 @@ off, CE only); Eagle3 has its own. Random choices in a batch (anchor positions) 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from modeling.dspark import DSparkModel, block_targets, build_dspark_config, sample_anchor_positions
+from modeling.dspark import (DSparkDecoderLayer, DSparkModel, block_targets, build_dspark_config,
+                            sample_anchor_positions)
 from data.capture import read_loss_token_counts
-from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping, target_to_draft, ttt_valid_mask
+from modeling.eagle3 import (Eagle3DecoderLayer, Eagle3Model, build_eagle3_config, build_vocab_mapping,
+                            target_to_draft, ttt_valid_mask)
 from modeling.registry import architecture_for_family, save_draft
 from train.copy_init import freeze_copy_attention, init_copy_attention
 from train.loss import block_loss, block_weight_sum, eagle3_loss, eagle3_weight_sum
@@ -81,6 +85,25 @@ def add_feature_noise(batch: dict, std: torch.Tensor, seeds: list[tuple]) -> dic
     hidden = batch["hidden_states"]
     noise = torch.stack([torch.randn(hidden.shape[1:], generator=_seeded(*seed, 1)) for seed in seeds])
     return {**batch, "hidden_states": hidden + (noise * std).to(hidden)}
+
+
+def set_dropout(module: nn.Module, p: float) -> None:
+    """train.dropout on every drafter decoder layer's residual branches (their `dropout` attribute)."""
+    for layer in module.modules():
+        if isinstance(layer, (DSparkDecoderLayer, Eagle3DecoderLayer)):
+            layer.dropout = p
+
+
+@contextmanager
+def seeded_dropout(p: float, seed: tuple, device: torch.device):
+    """The forward's dropout masks drawn from the RNG seeded by `seed` (seed, step, rank, micro-batch), so a resumed
+    run drops the same units; the global RNG is left as it was. Nothing happens without dropout."""
+    if p <= 0:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(_seeded(*seed).initial_seed())
+        yield
 
 
 def input_scale(cache, max_records: int = 256) -> torch.Tensor:

@@ -35,7 +35,8 @@ from core.io import atomic_write_text, publish_dir, sync_tree, verify_checksums,
 from data.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
 from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
-from train.algorithms import add_feature_noise, attach_hidden, get_algorithm, input_scale
+from train.algorithms import (add_feature_noise, attach_hidden, get_algorithm, input_scale, seeded_dropout,
+                              set_dropout)
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
 from core.recipe import recipe_to_dict
 
@@ -410,6 +411,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
         read_config(init_from).get(TARGET_WEIGHTS_KEY) if init_from is not None else None)
     if trained_on:
         setattr(module.draft.config, TARGET_WEIGHTS_KEY, trained_on)
+    set_dropout(module, train.dropout)
     module = module.to(dist.device)
     cpu_linear.pack_linears(module, prepack=False)  # fp32 on a CPU: oneDNN products (modeling/cpu_linear.py)
     engine = Engine(module, recipe, dist, grad_accum)
@@ -470,7 +472,8 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
             if noise_std is not None:
                 batch = add_feature_noise(batch, noise_std, seeds[i])
             hidden_s += time.perf_counter() - t_hidden
-            with engine.sync_context(last_micro), autocast:
+            with engine.sync_context(last_micro), autocast, \
+                    seeded_dropout(train.dropout, (recipe.seed, step, dist.rank, i), dist.device):
                 out = engine.module(batch)
                 # DDP and DeepSpeed average gradients over ranks: × world size undoes that.
                 loss = out.loss_sum / weight_total * dist.world_size
