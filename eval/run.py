@@ -289,9 +289,8 @@ def profile_loop_sps(target, layer_ids, sizes, context_tokens: int = 256, sweeps
     loop's own KV-cached runner (a forward, then the rollback): what a round pays. The prefix tokens are fixed
     pseudo-random ids; the cost of a forward does not depend on which. The sizes are timed in interleaved sweeps
     (profile_sps): timed size by size, two runs' tables ordered the sizes differently."""
-    sizes = sorted(set(sizes))
     device = next(target.parameters()).device
-    ids = torch.randint(0, target.config.vocab_size, (context_tokens + sizes[-1],),
+    ids = torch.randint(0, target.config.vocab_size, (context_tokens + max(sizes),),
                         generator=torch.Generator().manual_seed(0)).tolist()
     with TargetRunner(target, layer_ids) as runner:
         runner.forward(ids[:context_tokens], logits="none")

@@ -35,11 +35,15 @@ from train.loss import block_loss, block_weight_sum, eagle3_loss, eagle3_weight_
 DEFAULT_MASK_TOKEN_ID = 0
 
 
-def _seeded(*parts: int) -> torch.Generator:
+def _seed_value(*parts: int) -> int:
     value = 0
     for part in parts:
         value = (value * 1_000_003 + int(part)) % (2**63 - 1)
-    return torch.Generator().manual_seed(value)
+    return value
+
+
+def _seeded(*parts: int) -> torch.Generator:
+    return torch.Generator().manual_seed(_seed_value(*parts))
 
 
 def pad_records(records: list[dict], device) -> dict:
@@ -102,7 +106,7 @@ def seeded_dropout(p: float, seed: tuple, device: torch.device):
         yield
         return
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(_seeded(*seed).initial_seed())
+        torch.manual_seed(_seed_value(*seed))
         yield
 
 
