@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from quality import (learning_curve, link_data, open_eval_cache, prepare_eval_data, run_pipeline, sets,  # noqa: E402
-                     source_sets, training_sources)
+from quality import (learning_curve, link_data, open_eval_cache, parse_arm, prepare_eval_data,  # noqa: E402
+                     run_pipeline, sets, source_sets, training_sources)
 
 
 def main() -> int:
@@ -48,17 +48,12 @@ def main() -> int:
     parser.add_argument("--eval-per-source", type=int, default=4, help="held-out prompts per eval source (4)")
     parser.add_argument("--gsm8k", type=Path, help="folder with GSM8K train.jsonl/test.jsonl")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (2)")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+    parser.add_argument("--variant", dest="variants", action="append", default=[], type=parse_arm,
+                        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                         help="an arm on the source data with these recipe overrides (repeatable)")
     parser.add_argument("--encoding", action="append", default=[], choices=("fp8",),
                         help="an arm on the source data cached in this cache.encoding (repeatable)")
     args = parser.parse_args()
-    variants = []
-    for item in args.variant:
-        name, _, keys = item.partition(":")
-        if not name or not keys or any("=" not in kv for kv in keys.split(",")):
-            parser.error(f"--variant {item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...]")
-        variants.append((name, [x for kv in keys.split(",") for x in ("--set", kv)]))
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pipeline.log"
@@ -92,7 +87,7 @@ def main() -> int:
     eos_token_id = load_tokenizer(load_recipe(recipe).target.name_or_path).eos_token_id  # a replayed answer ends there
     arms = [("regen", "regen", raw)] if args.regen_prompts else []
     arms += [("source", "source", source_labels)]
-    arms += [(name, "source", source_labels + extra) for name, extra in variants]
+    arms += [(name, "source", source_labels + extra) for name, extra in args.variants]
     arms += [(encoding, f"source-{encoding}", source_labels + sets(cache__encoding=encoding))
              for encoding in args.encoding]
     results = {}

@@ -24,7 +24,9 @@ the n-gram drafter and plain HF `generate`, in one run.
 Writes OUT/quality.json, OUT/quality.md and OUT/learning_curve.png (held-out tau against training minutes). Each
 final draft is also replayed on its training records and on unseen prompts of the training sources (their holdout
 split), which splits its gap into memorisation and domain shift. --curve-only stops before the real loop
-(OUT/curves.json): arms that compare training settings at equal steps need only the curves.
+(OUT/curves.json): arms that compare training settings at equal steps need only the curves. Each --arm trains
+every family again with its overrides on the same data and steps and prints its held-out tau over the recipe's
+at every checkpoint, e.g. --arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5).
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
         model = load_draft_model(ckpt / "draft").float()
         replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
         copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
-                                          "first_draft_right_elsewhere")}
+                                          "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds")}
         points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"], **copying})
         print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}; first "
               f"draft right at {copying['first_draft_right_at_lookup_hits']:.3f} of the positions prompt lookup gets "
@@ -209,6 +211,9 @@ def markdown(result: dict) -> str:
                           "last checkpoint) is right there, and elsewhere:", ""]
             lines += [f"- {f}: {p['first_draft_right_at_lookup_hits']:.3f} where lookup is right, "
                       f"{p['first_draft_right_elsewhere']:.3f} elsewhere" for f, p in copying.items()]
+    if result.get("arms"):
+        lines += ["", "Arms at equal steps, held-out tau over the recipe's (same data, batches and schedule):", ""]
+        lines += [f"- {line}" for line in arm_ratios(curves, result["arms"])]
     split = {name: row["generalization"] for name, row in result["drafters"].items() if "generalization" in row}
     if split:
         lines += ["", "Where the gap is: each final draft replayed (tau) on its own training records, on prompts of "
@@ -229,6 +234,41 @@ def training_sources(gsm8k: Path | None, extra: list[tuple[Path, float]] = ()) -
     return "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
                                               f"weight: 1.0}}" if gsm8k else "") + "".join(
         f", {{name: '{path.resolve()}', weight: {weight}}}" for path, weight in extra) + "]"
+
+
+def parse_arm(item: str) -> tuple[str, list[str]]:
+    """NAME:KEY=VALUE[,KEY=VALUE...] -> (NAME, ["--set", "KEY=VALUE", ...]): a training arm's recipe overrides."""
+    name, _, keys = item.partition(":")
+    if not name or "/" in name or not keys or any("=" not in kv for kv in keys.split(",")):
+        raise argparse.ArgumentTypeError(f"{item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
+                                         "decay1.5:loss.loss_decay_gamma=1.5")
+    return name, [arg for kv in keys.split(",") for arg in ("--set", kv)]
+
+
+def arm_ratios(curves: dict, arms: list[tuple[str, str]], resamples: int = 2000) -> list[str]:
+    """Each arm's held-out tau over its family's recipe run, checkpoint by checkpoint (equal steps: the same
+    batches and schedule, so checkpoint k of one against checkpoint k of the other), with a 90% interval from a
+    paired bootstrap over the held-out prompts (both taus recomputed on each resample of the same prompts) where the
+    curves kept each prompt's tokens and rounds: an interval that holds 1 is a lever the prompts do not resolve."""
+    import random
+
+    def tau(point: dict, picks: list[int]) -> float:
+        return sum(point["per_record_tokens"][i] for i in picks) / sum(point["per_record_rounds"][i] for i in picks)
+
+    lines = []
+    for arm, family in arms:
+        cells = []
+        for p, q in zip(curves[arm], curves[family]):
+            cell = f"{p['replayed_tau'] / q['replayed_tau']:.3f}"
+            if "per_record_rounds" in p and "per_record_rounds" in q:
+                rng, count = random.Random(0), len(p["per_record_rounds"])
+                draws = sorted(tau(p, picks) / tau(q, picks) for picks in (
+                    [rng.randrange(count) for _ in range(count)] for _ in range(resamples)))
+                cell += f" [{draws[int(0.05 * resamples)]:.3f}, {draws[int(0.95 * resamples) - 1]:.3f}]"
+            cells.append(cell)
+        lines.append(f"{arm} / {family}: " + " / ".join(cells) + " at steps "
+                     + " / ".join(str(p["step"]) for p in curves[arm]))
+    return lines
 
 
 def parse_source(item: str) -> tuple[Path, float]:
@@ -354,6 +394,11 @@ def main() -> int:
                              "comparing training arms at equal steps (the loop adds ~11 min on 2 CPU cores)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override for every family's training, e.g. --set train.lr=2e-3")
+    parser.add_argument("--arm", dest="arms", action="append", default=[], type=parse_arm,
+                        metavar="NAME:KEY=VALUE[,KEY=VALUE]", help="also train each family with these recipe "
+                        "overrides, on the same data and steps, in OUT/<family>-NAME (repeatable): its held-out "
+                        "curve and its ratio to the recipe's at every checkpoint (the real loop runs the recipe's "
+                        "drafts only)")
     parser.add_argument("--add-source", dest="extra_sources", action="append", default=[], type=parse_source,
                         metavar="FILE=WEIGHT", help="a local prompt file added to the training sources with that "
                         "weight (ShareGPT's is 1); never the held-out sources")
@@ -391,32 +436,37 @@ def main() -> int:
     eos_token_id = tokenizer.eos_token_id  # a replayed answer ends where the loop stops
     train_manifest = json.loads((data_run / "cache" / "manifest.json").read_text())
 
-    # --- 3. each family, the same budget ------------------------------------------------------------------------------
+    # --- 3. each family, the same budget; then each --arm of it on the same data and steps ---------------------------
+    # the family's training names its real data (it reads the shared regeneration, whatever its recipe's sources say)
+    family_sets = extra_sets + sets(data__sources=sources)
+    runs = [(family, family, []) for family in families]
+    runs += [(f"{family}-{name}", family, arm_sets) for family in families for name, arm_sets in args.arms]
+    arm_pairs = [(name, family) for name, family, arm_sets in runs if arm_sets]
     curves, trained = {}, {}
-    for family in families:
+    for name, family, arm_sets in runs:
         recipe = f"{family}_smollm2_135m"
         per_step, steps = None, args.steps
         if steps is None:
-            probe = out / f"{family}-probe"
+            probe = out / f"{name}-probe"
             link_data(data_run, probe)
             run_pipeline(recipe, probe, "train", args.nproc,
-                         extra_sets + sets(train__max_steps=10, train__save_every=10), log)
+                         family_sets + arm_sets + sets(train__max_steps=10, train__save_every=10), log)
             per_step = seconds_per_step(probe)
             steps = max(1, int(args.budget_s / per_step))
             shutil.rmtree(probe)
-        run = out / family
+        run = out / name
         link_data(data_run, run)
         save_every = max(1, steps // args.curve_points)
         wall_s = run_pipeline(recipe, run, "train", args.nproc,
-                              extra_sets + sets(train__max_steps=steps, train__save_every=save_every,
-                                                train__keep_checkpoints=0), log)
+                              family_sets + arm_sets + sets(train__max_steps=steps, train__save_every=save_every,
+                                                            train__keep_checkpoints=0), log)
         eval_cache = open_eval_cache(recipe, eval_run)
         saved_curve = run / "curve.json"  # the checkpoints are deleted once read: a rerun reads the curve back
         if saved_curve.is_file() and not any((run / "train" / "checkpoints").glob("step-*")):
-            curves[family] = json.loads(saved_curve.read_text())
+            curves[name] = json.loads(saved_curve.read_text())
         else:
-            curves[family] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id)
-            saved_curve.write_text(json.dumps(curves[family], indent=1) + "\n")
+            curves[name] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id)
+            saved_curve.write_text(json.dumps(curves[name], indent=1) + "\n")
         saved_split = run / "generalization.json"
         if not saved_split.is_file():
             recipe_obj = load_recipe(recipe, args.overrides)
@@ -424,15 +474,17 @@ def main() -> int:
             caches = {"training records": open_cache(recipe_obj, data_run / "cache", hidden, tokenizer),
                       "in-distribution held-out": open_eval_cache(recipe, in_distribution_run),
                       "held-out sources": eval_cache}
-            last = curves[family][-1]
+            last = curves[name][-1]
             if last["step"] == steps:  # the curve's last checkpoint is the final draft: its replay is already done
                 del caches["held-out sources"]
             split = generalization(run / "train" / "final", caches, num_eval, 7, args.max_new_tokens, eos_token_id)
             split.setdefault("held-out sources", last["replayed_tau"])
             saved_split.write_text(json.dumps(split) + "\n")
         # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
-        trained[family] = {"steps": steps, "train_s": curves[family][-1]["minutes"] * 60, "wall_s": wall_s,
-                           "probe_s_per_step": per_step, "generalization": json.loads(saved_split.read_text())}
+        trained[name] = {"steps": steps, "train_s": curves[name][-1]["minutes"] * 60, "wall_s": wall_s,
+                         "probe_s_per_step": per_step, "generalization": json.loads(saved_split.read_text())}
+        if arm_sets:
+            trained[name]["overrides"] = arm_sets[1::2]
         for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
             shutil.rmtree(ckpt)
 
@@ -440,10 +492,12 @@ def main() -> int:
         (out / "curves.json").write_text(json.dumps({"data_s": data_s, "trained": trained, "curves": curves},
                                                     indent=1) + "\n")
         print(f"[quality] {end_to_end(data_s, trained)}")
-        for family, points in curves.items():
-            print(f"[quality] {family}: final draft replayed on {gap_split(trained[family]['generalization'])}")
-            print(f"[quality] {family}: replayed held-out tau " + " / ".join(
+        for name, points in curves.items():
+            print(f"[quality] {name}: final draft replayed on {gap_split(trained[name]['generalization'])}")
+            print(f"[quality] {name}: replayed held-out tau " + " / ".join(
                 f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
+        for line in arm_ratios(curves, arm_pairs):
+            print(f"[quality] {line}")
         return 0
 
     # --- 4. the real loop on the held-out prompts, baselines in the same process ------------------------------------
@@ -473,7 +527,7 @@ def main() -> int:
               "train_tokens": train_manifest["num_tokens"], "data_s": data_s, "eval_sources": eval_sources,
               "num_eval_prompts": first["num_samples"], "target_tokens_per_s": first["target_tokens_per_s"],
               "hf_generate_tokens_per_s": first["hf_generate_tokens_per_s"], "drafters": drafters,
-              "ratios": ratios, "curves": curves}
+              "ratios": ratios, "curves": curves, "arms": arm_pairs}
     (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
     return write_reports(result, out)
 

@@ -496,3 +496,7 @@ def test_replay_reports_first_draft_accuracy_where_lookup_hits(monkeypatch):
     assert report["lookup_hit_share"] == pytest.approx(float(hits[list(answer)].float().mean()))
     assert 0 < report["lookup_hit_share"] < 1
     assert report["first_draft_right_at_lookup_hits"] == 1.0 and report["first_draft_right_elsewhere"] == 0.0
+    # the tokens and rounds behind the record's tau (what quality.py's paired bootstrap resamples)
+    assert report["per_record_rounds"] == [report["num_rounds"]]
+    assert report["per_record_tokens"][0] / report["per_record_rounds"][0] == pytest.approx(report["accept_len"])
+    assert report["per_record_accept_len"] == [pytest.approx(report["accept_len"])]

@@ -1,0 +1,52 @@
+"""benchmarks/quality.py's training arms (--arm): parsed into recipe overrides, refused when malformed, and compared
+with the family's recipe run checkpoint by checkpoint."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import quality  # noqa: E402
+
+
+def test_arm_becomes_recipe_overrides():
+    assert quality.parse_arm("decay1.5-layers3:loss.loss_decay_gamma=1.5,draft.num_layers=3") == (
+        "decay1.5-layers3", ["--set", "loss.loss_decay_gamma=1.5", "--set", "draft.num_layers=3"])
+
+
+@pytest.mark.parametrize("item", ["decay", "decay:", ":loss.loss_decay_gamma=1.5", "decay:loss.loss_decay_gamma",
+                                  "a/b:train.lr=1e-3", "decay:loss.loss_decay_gamma=1.5,oops"])
+def test_malformed_arm_is_refused_before_any_work(item, tmp_path):
+    out = tmp_path / "q"
+    done = subprocess.run([sys.executable, "benchmarks/quality.py", "--out", str(out), "--arm", item], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert f"argument --arm: {item!r}: expected NAME:KEY=VALUE" in done.stderr
+    assert not out.exists()
+
+
+def test_arm_ratios_pair_checkpoints_of_equal_steps():
+    curves = {"dspark": [{"step": 600, "replayed_tau": 1.5}, {"step": 1200, "replayed_tau": 1.6}],
+              "dspark-decay": [{"step": 600, "replayed_tau": 1.56}, {"step": 1200, "replayed_tau": 1.68}]}
+    assert quality.arm_ratios(curves, [("dspark-decay", "dspark")]) == [
+        "dspark-decay / dspark: 1.040 / 1.050 at steps 600 / 1200"]
+
+
+def test_arm_interval_comes_from_resampling_the_same_prompts():
+    # prompt 0 gains a lot, prompts 1-3 lose a little: the ratio is above 1, the interval spans 1
+    recipe = {"step": 8, "replayed_tau": 1.0, "per_record_tokens": [10, 10, 10, 10], "per_record_rounds": [10] * 4}
+    arm = {"step": 8, "replayed_tau": 40 / 38, "per_record_tokens": [10] * 4, "per_record_rounds": [5, 11, 11, 11]}
+    line, = quality.arm_ratios({"d": [recipe], "d-x": [arm]}, [("d-x", "d")])
+    ratio, low, high = (float(x) for x in line.split(": ")[1].split(" at ")[0].replace("[", "").replace("]", "")
+                        .replace(",", "").split())
+    assert ratio == pytest.approx(40 / 38, abs=5e-4)
+    assert low < 1.0 < high
+    # every prompt gains: the whole interval is above 1
+    arm["per_record_rounds"] = [8, 8, 9, 9]
+    arm["replayed_tau"] = 40 / 34
+    line, = quality.arm_ratios({"d": [recipe], "d-x": [arm]}, [("d-x", "d")])
+    low = float(line.split("[")[1].split(",")[0])
+    assert low > 1.0
