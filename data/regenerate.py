@@ -504,14 +504,16 @@ def _regenerate_chunks(backend, chunks: list, todo: list[int], recipe):
         for k in todo:
             yield k, regenerate_chunk(backend, chunks[k], recipe, chunk_seed=seed(k))
         return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
-        futures = {pool.submit(regenerate_chunk, backend, chunks[k], recipe, seed(k)): k for k in todo}
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                yield futures[future], future.result()
-        finally:  # stopped early (an error, a fault point): the chunks not started yet are not started
-            for future in futures:
-                future.cancel()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=in_flight)
+    futures = {pool.submit(regenerate_chunk, backend, chunks[k], recipe, seed(k)): k for k in todo}
+    try:
+        for future in concurrent.futures.as_completed(futures):
+            yield futures[future], future.result()
+    finally:
+        # Stopped early (an error, Ctrl-C, SIGTERM, a fault point): the chunks not started yet are not started, and
+        # the running ones are not waited for (several chunks of answers: minutes). Their results are never written;
+        # closing the backend (the caller's next step) cancels their queued requests and stops a started server.
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _source_names(recipe) -> list[str]:

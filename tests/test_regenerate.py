@@ -3,8 +3,11 @@ handling of failed requests (retried, redone by the next run, never marked done)
 at the token limit, and the stage's refusals: nothing regenerated, a prompt file edited between two runs."""
 
 import json
+import os
 import shutil
+import signal
 import threading
+import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -23,9 +26,10 @@ DEAD_URL = "http://127.0.0.1:9"  # the discard port: nothing listens, the connec
 class _ChatServer:
     """A minimal /v1/chat/completions server: answers 'echo <n>: <last user text>' (finish_reason 'length' when that
     text holds 'LONG'), HTTP 500 on 'FAIL'. `plan`: the statuses each distinct request gets before its answer, a 429
-    with `Retry-After: retry_after`; `down_on`: HTTP 503 for every request whose last text holds it."""
+    with `Retry-After: retry_after`; `down_on`: HTTP 503 for every request whose last text holds it; `hold`: an
+    Event every request waits for (at most a minute) before it is answered."""
 
-    def __init__(self, plan=(), retry_after="1", down_on=None):
+    def __init__(self, plan=(), retry_after="1", down_on=None, hold=None):
         self.requests = []
         self.attempts = Counter()
         lock = threading.Lock()
@@ -35,6 +39,8 @@ class _ChatServer:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append((self.path, body))
+                if hold is not None:
+                    hold.wait(60)
                 last = body["messages"][-1]["content"]
                 with lock:
                     attempt = outer.attempts[json.dumps(body["messages"])]
@@ -388,6 +394,38 @@ def test_server_failures_are_never_marked_done_and_a_rerun_with_a_working_url_co
     # only the chunk that failed was asked again
     asked = {b["messages"][0]["content"] for _, b in working.requests}
     assert any("haiku" in text for text in asked) and len(working.requests) < len(healthy.requests)
+
+
+def test_a_stop_signal_ends_the_stage_without_waiting_for_the_answers_in_flight(prompt_file, qwen3_tokenizer,
+                                                                                 tmp_path):
+    """SIGTERM (a scheduler's preemption; the vLLM backend turns it into KeyboardInterrupt) while every request hangs
+    on the server: the stage stops at once, not after the chunks in flight (which could take minutes), writes no
+    chunk and is not done."""
+    hold = threading.Event()
+    slow = _ChatServer(hold=hold)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def stop_once_asked():
+        while not slow.requests:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    out = tmp_path / "regen"
+    try:
+        threading.Thread(target=stop_once_asked, daemon=True).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            _run(_openai_recipe([slow.url], prompt_file), out, qwen3_tokenizer)
+        stopped_after = time.monotonic() - start
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        hold.set()
+        slow.close()
+    assert stopped_after < 20  # the held requests would have answered after 60 s
+    assert not list((out / "chunks").glob("*.json")) and not (out / "DONE.json").exists()
 
 
 def test_a_stage_that_regenerates_nothing_fails_without_marking_itself_done(qwen3_tokenizer, tmp_path, drill):
