@@ -397,10 +397,11 @@ def test_server_failures_are_never_marked_done_and_a_rerun_with_a_working_url_co
 
 
 def test_a_stop_signal_ends_the_stage_without_waiting_for_the_answers_in_flight(prompt_file, qwen3_tokenizer,
-                                                                                 tmp_path):
+                                                                                 tmp_path, drill):
     """SIGTERM (a scheduler's preemption; the vLLM backend turns it into KeyboardInterrupt) while every request hangs
     on the server: the stage stops at once, not after the chunks in flight (which could take minutes), writes no
     chunk and is not done."""
+    drill("stop-signal", "SIGTERM while every regeneration request hangs on the server")
     hold = threading.Event()
     slow = _ChatServer(hold=hold)
 
