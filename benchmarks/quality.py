@@ -245,27 +245,33 @@ def parse_arm(item: str) -> tuple[str, list[str]]:
     return name, [arg for kv in keys.split(",") for arg in ("--set", kv)]
 
 
-def arm_ratios(curves: dict, arms: list[tuple[str, str]], resamples: int = 2000) -> list[str]:
-    """Each arm's held-out tau over its family's recipe run, checkpoint by checkpoint (equal steps: the same
-    batches and schedule, so checkpoint k of one against checkpoint k of the other), with a 90% interval from a
-    paired bootstrap over the held-out prompts (both taus recomputed on each resample of the same prompts) where the
-    curves kept each prompt's tokens and rounds: an interval that holds 1 is a lever the prompts do not resolve."""
+def paired_ratio(arm: dict, recipe: dict, resamples: int = 2000) -> tuple[float, float | None, float | None]:
+    """Held-out tau of one checkpoint over another's, and a 90% interval from a paired bootstrap over the held-out
+    prompts (both taus recomputed on each resample of the same prompts), where both kept each prompt's tokens and
+    rounds (None, None otherwise): an interval that holds 1 is a lever the prompts do not resolve."""
+    ratio = arm["replayed_tau"] / recipe["replayed_tau"]
+    if "per_record_rounds" not in arm or "per_record_rounds" not in recipe:
+        return ratio, None, None
     import random
 
     def tau(point: dict, picks: list[int]) -> float:
         return sum(point["per_record_tokens"][i] for i in picks) / sum(point["per_record_rounds"][i] for i in picks)
 
+    rng, count = random.Random(0), len(arm["per_record_rounds"])
+    draws = sorted(tau(arm, picks) / tau(recipe, picks) for picks in (
+        [rng.randrange(count) for _ in range(count)] for _ in range(resamples)))
+    return ratio, draws[int(0.05 * resamples)], draws[int(0.95 * resamples) - 1]
+
+
+def arm_ratios(curves: dict, arms: list[tuple[str, str]]) -> list[str]:
+    """Each arm's held-out tau over its family's recipe run, checkpoint by checkpoint (equal steps: the same
+    batches and schedule, so checkpoint k of one against checkpoint k of the other), with paired_ratio's interval."""
     lines = []
     for arm, family in arms:
         cells = []
         for p, q in zip(curves[arm], curves[family]):
-            cell = f"{p['replayed_tau'] / q['replayed_tau']:.3f}"
-            if "per_record_rounds" in p and "per_record_rounds" in q:
-                rng, count = random.Random(0), len(p["per_record_rounds"])
-                draws = sorted(tau(p, picks) / tau(q, picks) for picks in (
-                    [rng.randrange(count) for _ in range(count)] for _ in range(resamples)))
-                cell += f" [{draws[int(0.05 * resamples)]:.3f}, {draws[int(0.95 * resamples) - 1]:.3f}]"
-            cells.append(cell)
+            ratio, low, high = paired_ratio(p, q)
+            cells.append(f"{ratio:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None else ""))
         lines.append(f"{arm} / {family}: " + " / ".join(cells) + " at steps "
                      + " / ".join(str(p["step"]) for p in curves[arm]))
     return lines

@@ -22,21 +22,21 @@ def replay_records(model, records, gamma: int, max_new_tokens: int | None = None
     whether the drafter copies: over every answer position, the share where prompt lookup (the n-gram drafter)
     proposes the right next token, and the drafter's first-draft accuracy there and at the other positions.
     eos_token_id: the tokenizer's, so that an answer ends where the loop stops (answer_span)."""
-    rounds, per_record, hit_rows, right_rows = [], [], [], []
+    rounds, record_tokens, record_rounds, hit_rows, right_rows = [], [], [], [], []
     for record in records:
         first, end = answer_span(record, max_new_tokens, eos_token_id)
         matches = draft_matches(model, record, gamma)
         mine = replay_rounds(matches, first, end, gamma)
         rounds += mine
-        per_record.append((sum(r.accepted + 1 for r in mine), len(mine)))
+        record_tokens.append(sum(r.accepted + 1 for r in mine))
+        record_rounds.append(len(mine))
         hit_rows.append(lookup_hits(record["input_ids"][None].long())[0, first: end - 1])  # pending positions
         right_rows.append(matches[first: end - 1, 0])
     hits, right = torch.cat(hit_rows), torch.cat(right_rows)
     return {**acceptance_metrics(rounds, gamma),
-            "per_record_accept_len": [tokens / max(count, 1) for tokens, count in per_record],
+            "per_record_accept_len": [tokens / max(count, 1) for tokens, count in zip(record_tokens, record_rounds)],
             # tokens and rounds per record: tau over any subset of the records, e.g. a paired bootstrap of two drafts
-            "per_record_tokens": [tokens for tokens, _ in per_record],
-            "per_record_rounds": [count for _, count in per_record],
+            "per_record_tokens": record_tokens, "per_record_rounds": record_rounds,
             "lookup_hit_share": hits.float().mean().item() if hits.numel() else 0.0,
             "first_draft_right_at_lookup_hits": right[hits].float().mean().item() if hits.any() else 0.0,
             "first_draft_right_elsewhere": right[~hits].float().mean().item() if (~hits).any() else 0.0}
