@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from core.malloc import keep_freed_memory  # noqa: E402
 from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
 from data.sources import source_problem  # noqa: E402
+from eval import SCHEDULES  # noqa: E402
 from modeling.draft_folder import is_draft_dir  # noqa: E402
 
 # eval/, modeling/ (torch, transformers: ~12 s to import on a small machine) are imported where they run, so that
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/eval", help="report folder (default runs/eval)")
     parser.add_argument("--no-scheduler", action="store_true", help="skip the SPS profile and scheduler simulation")
-    parser.add_argument("--schedule", choices=("fixed", "confidence"), default="fixed",
+    parser.add_argument("--schedule", choices=SCHEDULES, default="fixed",
                         help="fixed: verify every draft, gamma a round (default); confidence: verify only the drafts "
                              "DSpark's scheduler admits each round from the confidence head and this machine's "
                              "verify cost (profiled first), as SGLang's DSPARK does (a DSpark draft with a "

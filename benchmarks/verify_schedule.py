@@ -33,13 +33,13 @@ sys.path.insert(0, str(ROOT))
 TARGET = "smollm2-135m-instruct"
 
 
-def arms(gamma: int, gammas: list[int]) -> list[tuple[str, str, int, str]]:
-    """(name, drafter, gamma, schedule) in run order; `draft` stands for the --draft folder."""
+def arms(gamma: int, gammas: list[int]) -> list[tuple[str, str, int, str, bool]]:
+    """(name, drafter, gamma, schedule, calibrated by STS) in run order; `draft` stands for the --draft folder."""
     fixed = sorted(set(gammas) | {gamma})
-    return ([(f"dspark gamma {g}", "draft", g, "fixed") for g in fixed]
-            + [("dspark confidence schedule, uncalibrated", "draft", gamma, "confidence"),
-               ("dspark confidence schedule, STS", "draft", gamma, "confidence")]
-            + [(f"n-gram gamma {g}", "ngram", g, "fixed") for g in fixed])
+    return ([(f"dspark gamma {g}", "draft", g, "fixed", False) for g in fixed]
+            + [("dspark confidence schedule, uncalibrated", "draft", gamma, "confidence", False),
+               ("dspark confidence schedule, STS", "draft", gamma, "confidence", True)]
+            + [(f"n-gram gamma {g}", "ngram", g, "fixed", False) for g in fixed])
 
 
 def markdown(result: dict) -> str:
@@ -111,13 +111,13 @@ def main(argv=None) -> int:
         parser.error(f"--draft {args.draft}: no confidence head, nothing to schedule with")
     sts = calibration["calibration"]["sts_path"]
     runs = []
-    for name, drafter_name, gamma, policy in arms(args.gamma, gammas):
+    for name, drafter_name, gamma, policy, calibrated in arms(args.gamma, gammas):
         drafter = make_drafter(str(args.draft) if drafter_name == "draft" else drafter_name, target, gamma)
         schedule = None
         if policy != "fixed":
             arm_dir = args.out / name.replace(" ", "_").replace(",", "")
             arm_dir.mkdir(parents=True, exist_ok=True)
-            schedule, _ = loop_schedule(target, drafter, gamma, sts if name.endswith("STS") else None, arm_dir)
+            schedule, _ = loop_schedule(target, drafter, gamma, sts if calibrated else None, arm_dir)
         runs.append({"name": name, "drafter": drafter_name, "gamma": gamma, "schedule": policy, "model": drafter,
                      "verify": schedule, "rounds": [], "time": 0.0, "prefill": 0.0, "tokens": 0, "exact": 0})
     prompts = eval_prompts(str(args.eval_prompts), args.num_samples, 0)

@@ -30,6 +30,7 @@ from core import stage
 from core.io import atomic_write_json, atomic_write_text, read_json
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import eval_prompts
+from eval import SCHEDULES
 from eval.calibration import calibrate_sts, calibration_report, logits_from_probs, prefix_labels
 from eval.scheduler import VerifySchedule, format_table, profile_sps, simulate
 from eval.spec_decode import (DraftLMDrafter, GenerationResult, NgramDrafter, is_greedy, load_draft,
@@ -276,8 +277,6 @@ def _schedule(target, layer_ids, rounds, gamma: int, out_dir: Path, seed: int) -
     rows = simulate(by_request, table, gammas=list(range(1, gamma + 1)), batch_sizes=(1, 4, 16), seed=seed)
     return {"sps_table_path": str(out_dir / "sps_table.json"), "rows": rows, "table": format_table(rows)}
 
-
-SCHEDULES = ("fixed", "confidence")
 
 
 class ScheduleError(ValueError):
