@@ -203,6 +203,8 @@ def markdown(result: dict) -> str:
                       "training minutes per family: "
                       + ", ".join(f"{f} {points[-1]['minutes']:.1f}" for f, points in curves.items()) + "):", ""]
         lines += [f"- {family}: {tau_at(points, minutes):.3f}" for family, points in curves.items()]
+        lines += ["", "Replayed held-out tau of the final drafts, with a 90% paired-bootstrap interval over the "
+                      "held-out prompts:", ""] + [f"- {line}" for line in family_ratios(curves)]
         copying = {f: points[-1] for f, points in curves.items() if "lookup_hit_share" in points[-1]}
         if copying:  # (results saved before this was measured lack it)
             share = next(iter(copying.values()))["lookup_hit_share"]
@@ -274,6 +276,20 @@ def arm_ratios(curves: dict, arms: list[tuple[str, str]]) -> list[str]:
             cells.append(f"{ratio:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None else ""))
         lines.append(f"{arm} / {family}: " + " / ".join(cells) + " at steps "
                      + " / ".join(str(p["step"]) for p in curves[arm]))
+    return lines
+
+
+def family_ratios(curves: dict) -> list[str]:
+    """DSpark's held-out tau over each other family's, final draft against final draft (each family's own steps in the
+    same budget), with paired_ratio's interval over the same held-out prompts."""
+    lines = []
+    for other in ("dflash", "eagle3"):
+        if "dspark" in curves and other in curves:
+            p, q = curves["dspark"][-1], curves[other][-1]
+            value, low, high = paired_ratio(p, q)
+            lines.append(f"dspark / {other}: {value:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None else "")
+                         + f" (final drafts: {p['step']} / {q['step']} steps, {p['minutes']:.1f} / "
+                         f"{q['minutes']:.1f} training min)")
     return lines
 
 
@@ -502,7 +518,7 @@ def main() -> int:
             print(f"[quality] {name}: final draft replayed on {gap_split(trained[name]['generalization'])}")
             print(f"[quality] {name}: replayed held-out tau " + " / ".join(
                 f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
-        for line in arm_ratios(curves, arm_pairs):
+        for line in family_ratios(curves) + arm_ratios(curves, arm_pairs):
             print(f"[quality] {line}")
         return 0
 

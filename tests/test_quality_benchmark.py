@@ -49,3 +49,20 @@ def test_arm_interval_comes_from_resampling_the_same_prompts():
     arm["replayed_tau"] = 40 / 34
     ratio, low, high = quality.paired_ratio(arm, recipe)
     assert low > 1.0
+
+
+def test_family_ratios_compare_final_drafts_of_unequal_steps():
+    # the families train for the same budget, so their final checkpoints fall at different steps: last against last
+    dspark = [{"step": 600, "minutes": 10.5, "replayed_tau": 1.2},
+              {"step": 1200, "minutes": 21.0, "replayed_tau": 1.6, "per_record_tokens": [20, 20],
+               "per_record_rounds": [10, 15]}]
+    dflash = [{"step": 715, "minutes": 10.4, "replayed_tau": 1.1},
+              {"step": 1430, "minutes": 20.9, "replayed_tau": 1.4, "per_record_tokens": [20, 20],
+               "per_record_rounds": [12, 16]}]
+    line, = quality.family_ratios({"dspark": dspark, "dflash": dflash})
+    value, low, high = quality.paired_ratio(dspark[-1], dflash[-1])
+    assert value == pytest.approx(1.6 / 1.4)
+    assert 1.0 < low <= high  # both prompts gain
+    assert line == (f"dspark / dflash: {value:.3f} [{low:.3f}, {high:.3f}] (final drafts: 1200 / 1430 steps, "
+                    "21.0 / 20.9 training min)")
+    assert quality.family_ratios({"dflash": dflash, "eagle3": dflash}) == []  # no DSpark, nothing to compare
