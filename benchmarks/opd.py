@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.quality import (FAMILIES, link_data, open_eval_cache, prepare_data, prepare_eval_data,  # noqa: E402
-                                ratio, run_pipeline, sets)
+from benchmarks.quality import (FAMILIES, link_data, open_eval_cache, paired_ratio, prepare_data,  # noqa: E402
+                                prepare_eval_data, run_pipeline, sets)
 
 
 def step_seconds(train_dir: Path) -> list[float]:
@@ -46,6 +46,11 @@ def opd_seconds(opd_dir: Path) -> float:
     return rollouts + sum(sum(step_seconds(p)) for p in sorted(opd_dir.glob("round-*")))
 
 
+def interval(bounds: list | None) -> str:
+    """ [low, high], or nothing for results saved before the interval was computed."""
+    return f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if bounds and bounds[0] is not None else ""
+
+
 def markdown(result: dict) -> str:
     start = (f"the finished train stage of {result['sft_from']}" if result.get("sft_from")
              else f"SFT {result['sft_steps']} steps")
@@ -55,11 +60,13 @@ def markdown(result: dict) -> str:
              f"Start: {start}; then OPD {result['opd_rounds']} rounds x {result['opd_steps']} steps over "
              f"{result['rollout_records']} rolled-out conversations a round, against SFT continued over the same "
              f"rounds and conversations at the same compute; {result['nproc']} rank(s).", "",
-             "| family | SFT tau | SFT+OPD tau | SFT continued tau | SFT+OPD / SFT continued | compute (s) OPD / "
+             "| family | SFT tau | SFT+OPD tau | SFT continued tau | SFT+OPD / SFT continued [90% paired bootstrap] | "
+             "compute (s) OPD / "
              "continued | steps a round OPD / continued | rollout tau by round |", "|---|---|---|---|---|---|---|---|"]
     for family, r in result["families"].items():
         lines.append(f"| {family} | {r['tau']['sft']:.3f} | {r['tau']['sft+opd']:.3f} | {r['tau']['sft-continued']:.3f}"
-                     f" | {r['opd_vs_sft_continued']:.3f} | {r['opd_s']:.0f} / {r['continued_s']:.0f} | "
+                     f" | {r['opd_vs_sft_continued']:.3f}{interval(r.get('opd_vs_sft_continued_90'))} | "
+                     f"{r['opd_s']:.0f} / {r['continued_s']:.0f} | "
                      f"{result['opd_steps']} / {r['continued_steps']} | "
                      f"{' -> '.join(f'{t:.2f}' for t in r['rollout_tau'])} |")
     return "\n".join(lines) + "\n"
@@ -129,12 +136,15 @@ def main(argv=None) -> int:
         eval_cache = open_eval_cache(recipe_name, eval_run)
         eval_records = [eval_cache[i] for i in range(len(eval_cache))]
 
-        def held_out(draft_dir: Path) -> float:
+        def held_out(draft_dir: Path) -> dict:
+            """Replayed held-out tau, with each prompt's tokens and rounds for paired_ratio's interval."""
             model = load_draft_model(draft_dir).float()
-            return replay_records(model, eval_records, draft_gamma(recipe), args.max_new_tokens,
-                                  eos_token_id)["accept_len"]
+            replay = replay_records(model, eval_records, draft_gamma(recipe), args.max_new_tokens, eos_token_id)
+            return {"replayed_tau": replay["accept_len"], "per_record_tokens": replay["per_record_tokens"],
+                    "per_record_rounds": replay["per_record_rounds"]}
 
-        run = out / family / "sft-opd"
+        # beside the --sft-from folder, not inside it (as quality.py's arms: OUT/<family>-NAME)
+        run = out / f"{family}-sft-opd"
         if args.sft_from:
             link_data(data_run, run, ("regen", "cache", "train"))
             run_pipeline(recipe_name, run, "opd", args.nproc,
@@ -147,21 +157,23 @@ def main(argv=None) -> int:
         per_step = statistics.median(s for p in sorted((run / "opd").glob("round-*")) for s in step_seconds(p))
         # the same compute: the rollouts' seconds become more steps in every round
         continued_steps = max(args.opd_steps, round(spent / per_step / args.opd_rounds))
-        continued = out / family / "sft-continued"
+        continued = out / f"{family}-sft-continued"
         link_data(run, continued, ("regen", "cache", "train"))
         run_pipeline(recipe_name, continued, "opd", args.nproc, extra + rounds + sets(
             opd__steps_per_round=continued_steps, opd__anchors="uniform"), log)
-        tau = {"sft": held_out(run / "train" / "final"), "sft+opd": held_out(run / "opd" / "final"),
-               "sft-continued": held_out(continued / "opd" / "final")}
-        results[family] = {"tau": tau, "opd_vs_sft_continued": ratio(tau["sft+opd"], tau["sft-continued"]),
-                           "opd_vs_sft": ratio(tau["sft+opd"], tau["sft"]), "opd_s": spent,
+        replays = {"sft": held_out(run / "train" / "final"), "sft+opd": held_out(run / "opd" / "final"),
+                   "sft-continued": held_out(continued / "opd" / "final")}
+        tau = {arm: replay["replayed_tau"] for arm, replay in replays.items()}
+        value, low, high = paired_ratio(replays["sft+opd"], replays["sft-continued"])
+        results[family] = {"tau": tau, "opd_vs_sft_continued": value, "opd_vs_sft_continued_90": [low, high],
+                           "opd_vs_sft": paired_ratio(replays["sft+opd"], replays["sft"])[0], "opd_s": spent,
                            "continued_s": opd_seconds(continued / "opd"), "opd_step_s": per_step,
                            "continued_steps": continued_steps,
                            "rollout_tau": [r["rollout_tau"] for r in rounds_of(run / "opd")]}
         r = results[family]
         print(f"[opd-bench] {family}: held-out tau SFT {tau['sft']:.3f}, SFT+OPD {tau['sft+opd']:.3f} ({spent:.0f} s), "
               f"SFT continued {tau['sft-continued']:.3f} ({r['continued_s']:.0f} s, {continued_steps} steps a round); "
-              f"SFT+OPD / SFT continued {r['opd_vs_sft_continued']:.3f}", flush=True)
+              f"SFT+OPD / SFT continued {r['opd_vs_sft_continued']:.3f} [{low:.3f}, {high:.3f}]", flush=True)
         # written after every family: a long run stopped midway keeps the families it finished
         train_manifest = json.loads((run / "cache" / "manifest.json").read_text())
         result = {"families": results, "sft_steps": None if args.sft_from else args.sft_steps,
