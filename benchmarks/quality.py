@@ -44,6 +44,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from core import stage  # noqa: E402
+from core.io import read_json  # noqa: E402
+
 FAMILIES = ("dspark", "dflash", "eagle3")
 TRAIN_DATA = {"regenerate": "the target's own greedy answers", "source": "the sources' own answers, target's labels"}
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
@@ -98,6 +101,12 @@ def seconds_per_step(out: Path) -> float:
     rows = [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
     times = sorted(r["step_s"] for r in rows[1:]) or [rows[0]["step_s"]]
     return times[len(times) // 2]
+
+
+def finished_steps(run: Path) -> int | None:
+    """The optimizer steps of a finished train stage in `run`, None where there is none."""
+    return read_json(run / "train" / stage.SETTINGS_NAME)["train"]["max_steps"] if stage.is_done(run / "train") \
+        else None
 
 
 def tau_at(points: list[dict], minutes: float) -> float:
@@ -464,10 +473,12 @@ def main() -> int:
     runs = [(family, family, []) for family in families]
     runs += [(f"{family}-{name}", family, arm_sets) for family in families for name, arm_sets in args.arms]
     arm_pairs = [(name, family) for name, family, arm_sets in runs if arm_sets]
-    curves, trained = {}, {}
+    curves, trained, family_steps = {}, {}, {}
     for name, family, arm_sets in runs:
         recipe = f"{family}_smollm2_135m"
-        per_step, steps = None, args.steps
+        # an arm takes its family's steps (the same batches and schedule); a finished run keeps its own steps (a new
+        # probe would give others, which its train stage refuses)
+        per_step, steps = None, args.steps or family_steps.get(family) or finished_steps(out / name)
         if steps is None:
             probe = out / f"{name}-probe"
             link_data(data_run, probe)
@@ -476,6 +487,7 @@ def main() -> int:
             per_step = seconds_per_step(probe)
             steps = max(1, int(args.budget_s / per_step))
             shutil.rmtree(probe)
+        family_steps.setdefault(family, steps)
         run = out / name
         link_data(data_run, run)
         save_every = max(1, steps // args.curve_points)

@@ -1,6 +1,7 @@
 """benchmarks/quality.py's training arms (--arm): parsed into recipe overrides, refused when malformed, and compared
 with the family's recipe run checkpoint by checkpoint."""
 
+import json
 import subprocess
 import sys
 
@@ -66,3 +67,14 @@ def test_family_ratios_compare_final_drafts_of_unequal_steps():
     assert line == (f"dspark / dflash: {value:.3f} [{low:.3f}, {high:.3f}] (final drafts: 1200 / 1430 steps, "
                     "21.0 / 20.9 training min)")
     assert quality.family_ratios({"dflash": dflash, "eagle3": dflash}) == []  # no DSpark, nothing to compare
+
+
+def test_a_finished_run_keeps_its_steps_on_a_budget_rerun(tmp_path):
+    # --budget-s probes the seconds a step; a rerun must not probe a finished run again (new steps: its stage refuses)
+    train = tmp_path / "dflash" / "train"
+    train.mkdir(parents=True)
+    (train / "settings.json").write_text(json.dumps({"train": {"max_steps": 1430}}))
+    assert quality.finished_steps(tmp_path / "dflash") is None  # begun, not done: probed and trained as new
+    (train / "DONE.json").write_text("{}")
+    assert quality.finished_steps(tmp_path / "dflash") == 1430
+    assert quality.finished_steps(tmp_path / "eagle3") is None
