@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.quality import (FAMILIES, link_data, open_eval_cache, paired_ratio, prepare_data,  # noqa: E402
-                                prepare_eval_data, run_pipeline, sets)
+from benchmarks.quality import (FAMILIES, format_ratio, link_data, open_eval_cache, paired_ratio,  # noqa: E402
+                                prepare_data, prepare_eval_data, ratio, run_pipeline, sets)
 
 
 def step_seconds(train_dir: Path) -> list[float]:
@@ -46,11 +46,6 @@ def opd_seconds(opd_dir: Path) -> float:
     return rollouts + sum(sum(step_seconds(p)) for p in sorted(opd_dir.glob("round-*")))
 
 
-def interval(bounds: list | None) -> str:
-    """ [low, high], or nothing for results saved before the interval was computed."""
-    return f" [{bounds[0]:.3f}, {bounds[1]:.3f}]" if bounds and bounds[0] is not None else ""
-
-
 def markdown(result: dict) -> str:
     start = (f"the finished train stage of {result['sft_from']}" if result.get("sft_from")
              else f"SFT {result['sft_steps']} steps")
@@ -61,11 +56,12 @@ def markdown(result: dict) -> str:
              f"{result['rollout_records']} rolled-out conversations a round, against SFT continued over the same "
              f"rounds and conversations at the same compute; {result['nproc']} rank(s).", "",
              "| family | SFT tau | SFT+OPD tau | SFT continued tau | SFT+OPD / SFT continued [90% paired bootstrap] | "
-             "compute (s) OPD / "
-             "continued | steps a round OPD / continued | rollout tau by round |", "|---|---|---|---|---|---|---|---|"]
+             "compute (s) OPD / continued | steps a round OPD / continued | rollout tau by round |",
+             "|---|---|---|---|---|---|---|---|"]
     for family, r in result["families"].items():
         lines.append(f"| {family} | {r['tau']['sft']:.3f} | {r['tau']['sft+opd']:.3f} | {r['tau']['sft-continued']:.3f}"
-                     f" | {r['opd_vs_sft_continued']:.3f}{interval(r.get('opd_vs_sft_continued_90'))} | "
+                     # results saved before the interval was computed have none
+                     f" | {format_ratio(r['opd_vs_sft_continued'], *r.get('opd_vs_sft_continued_90', (None, None)))} | "
                      f"{r['opd_s']:.0f} / {r['continued_s']:.0f} | "
                      f"{result['opd_steps']} / {r['continued_steps']} | "
                      f"{' -> '.join(f'{t:.2f}' for t in r['rollout_tau'])} |")
@@ -166,14 +162,14 @@ def main(argv=None) -> int:
         tau = {arm: replay["replayed_tau"] for arm, replay in replays.items()}
         value, low, high = paired_ratio(replays["sft+opd"], replays["sft-continued"])
         results[family] = {"tau": tau, "opd_vs_sft_continued": value, "opd_vs_sft_continued_90": [low, high],
-                           "opd_vs_sft": paired_ratio(replays["sft+opd"], replays["sft"])[0], "opd_s": spent,
+                           "opd_vs_sft": ratio(tau["sft+opd"], tau["sft"]), "opd_s": spent,
                            "continued_s": opd_seconds(continued / "opd"), "opd_step_s": per_step,
                            "continued_steps": continued_steps,
                            "rollout_tau": [r["rollout_tau"] for r in rounds_of(run / "opd")]}
         r = results[family]
         print(f"[opd-bench] {family}: held-out tau SFT {tau['sft']:.3f}, SFT+OPD {tau['sft+opd']:.3f} ({spent:.0f} s), "
               f"SFT continued {tau['sft-continued']:.3f} ({r['continued_s']:.0f} s, {continued_steps} steps a round); "
-              f"SFT+OPD / SFT continued {r['opd_vs_sft_continued']:.3f} [{low:.3f}, {high:.3f}]", flush=True)
+              f"SFT+OPD / SFT continued {format_ratio(value, low, high)}", flush=True)
         # written after every family: a long run stopped midway keeps the families it finished
         train_manifest = json.loads((run / "cache" / "manifest.json").read_text())
         result = {"families": results, "sft_steps": None if args.sft_from else args.sft_steps,

@@ -274,15 +274,17 @@ def paired_ratio(arm: dict, recipe: dict, resamples: int = 2000) -> tuple[float,
     return ratio, draws[int(0.05 * resamples)], draws[int(0.95 * resamples) - 1]
 
 
+def format_ratio(value: float, low: float | None, high: float | None) -> str:
+    """paired_ratio's result as printed: the ratio, and its interval where there is one."""
+    return f"{value:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None else "")
+
+
 def arm_ratios(curves: dict, arms: list[tuple[str, str]]) -> list[str]:
     """Each arm's held-out tau over its family's recipe run, checkpoint by checkpoint (equal steps: the same
     batches and schedule, so checkpoint k of one against checkpoint k of the other), with paired_ratio's interval."""
     lines = []
     for arm, family in arms:
-        cells = []
-        for p, q in zip(curves[arm], curves[family]):
-            ratio, low, high = paired_ratio(p, q)
-            cells.append(f"{ratio:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None else ""))
+        cells = [format_ratio(*paired_ratio(p, q)) for p, q in zip(curves[arm], curves[family])]
         lines.append(f"{arm} / {family}: " + " / ".join(cells) + " at steps "
                      + " / ".join(str(p["step"]) for p in curves[arm]))
     return lines
@@ -295,10 +297,8 @@ def family_ratios(curves: dict) -> list[str]:
     for other in ("dflash", "eagle3"):
         if "dspark" in curves and other in curves:
             p, q = curves["dspark"][-1], curves[other][-1]
-            value, low, high = paired_ratio(p, q)
-            lines.append(f"dspark / {other}: {value:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None else "")
-                         + f" (final drafts: {p['step']} / {q['step']} steps, {p['minutes']:.1f} / "
-                         f"{q['minutes']:.1f} training min)")
+            lines.append(f"dspark / {other}: {format_ratio(*paired_ratio(p, q))} (final drafts: {p['step']} / "
+                         f"{q['step']} steps, {p['minutes']:.1f} / {q['minutes']:.1f} training min)")
     return lines
 
 

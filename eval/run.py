@@ -278,7 +278,6 @@ def _schedule(target, layer_ids, rounds, gamma: int, out_dir: Path, seed: int) -
     return {"sps_table_path": str(out_dir / "sps_table.json"), "rows": rows, "table": format_table(rows)}
 
 
-
 class ScheduleError(ValueError):
     """A verify schedule this draft or calibration file cannot give (eval.py answers it with exit code 2)."""
 
