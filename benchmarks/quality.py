@@ -24,7 +24,8 @@ the n-gram drafter and plain HF `generate`, in one run.
 Writes OUT/quality.json, OUT/quality.md and OUT/learning_curve.png (held-out tau against training minutes). Each
 final draft is also replayed on its training records and on unseen prompts of the training sources (their holdout
 split), which splits its gap into memorisation and domain shift. --curve-only stops before the real loop
-(OUT/curves.json): arms that compare training settings at equal steps need only the curves. Each --arm trains
+(OUT/curves.json; each draft's tau over prompt lookup's, both replayed on the same prompts): arms that compare
+training settings at equal steps need only the curves. Each --arm trains
 every family again with its overrides on the same data and steps and prints its held-out tau over the recipe's
 at every checkpoint, e.g. --arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5).
 """
@@ -302,6 +303,25 @@ def family_ratios(curves: dict) -> list[str]:
     return lines
 
 
+def ngram_replay(eval_cache, max_new_tokens: int, eos_token_id) -> dict:
+    """Prompt lookup (the n-gram drafter) replayed on the held-out records: its tau, and the tokens and rounds per
+    prompt that pair it with a draft's in paired_ratio."""
+    from eval.replay import replay_records
+    from eval.spec_decode import NgramDrafter
+
+    replay = replay_records(NgramDrafter(), [eval_cache[i] for i in range(len(eval_cache))], 7, max_new_tokens,
+                            eos_token_id)
+    return {"replayed_tau": replay["accept_len"], "per_record_tokens": replay["per_record_tokens"],
+            "per_record_rounds": replay["per_record_rounds"]}
+
+
+def ngram_ratios(curves: dict, ngram: dict) -> list[str]:
+    """Each run's final draft over prompt lookup on the same held-out prompts (the issue's each / n-gram), with
+    paired_ratio's interval."""
+    return [f"{name} / n-gram: {format_ratio(*paired_ratio(points[-1], ngram))} (step {points[-1]['step']}; n-gram "
+            f"replayed tau {ngram['replayed_tau']:.3f})" for name, points in curves.items()]
+
+
 def parse_source(item: str) -> tuple[Path, float]:
     """--add-source FILE=WEIGHT (FILE: a local prompt file, .json/.jsonl in any shape data.sources reads)."""
     path, _, weight = item.rpartition("=")
@@ -421,8 +441,9 @@ def main() -> int:
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite quality.md and learning_curve.png from OUT/quality.json, training nothing")
     parser.add_argument("--curve-only", action="store_true",
-                        help="stop after the learning curves (OUT/curves.json): no real loop, no baselines; for "
-                             "comparing training arms at equal steps (the loop adds ~11 min on 2 CPU cores)")
+                        help="stop after the learning curves (OUT/curves.json, with prompt lookup replayed on the "
+                             "same prompts): no real loop, no HF generate; for comparing training arms at equal "
+                             "steps (the loop adds ~11 min on 2 CPU cores)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override for every family's training, e.g. --set train.lr=2e-3")
     parser.add_argument("--arm", dest="arms", action="append", default=[], type=parse_arm,
@@ -523,14 +544,15 @@ def main() -> int:
             shutil.rmtree(ckpt)
 
     if args.curve_only:
-        (out / "curves.json").write_text(json.dumps({"data_s": data_s, "trained": trained, "curves": curves},
-                                                    indent=1) + "\n")
+        ngram = ngram_replay(eval_cache, args.max_new_tokens, eos_token_id)
+        (out / "curves.json").write_text(json.dumps({"data_s": data_s, "trained": trained, "curves": curves,
+                                                     "ngram": ngram}, indent=1) + "\n")
         print(f"[quality] {end_to_end(data_s, trained)}")
         for name, points in curves.items():
             print(f"[quality] {name}: final draft replayed on {gap_split(trained[name]['generalization'])}")
             print(f"[quality] {name}: replayed held-out tau " + " / ".join(
                 f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
-        for line in family_ratios(curves) + arm_ratios(curves, arm_pairs):
+        for line in family_ratios(curves) + arm_ratios(curves, arm_pairs) + ngram_ratios(curves, ngram):
             print(f"[quality] {line}")
         return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from eval.run import acceptance_metrics
+from eval.spec_decode import NgramDrafter
 from train.rollout import answer_span, draft_matches, replay_rounds
 
 
@@ -21,11 +22,16 @@ def replay_records(model, records, gamma: int, max_new_tokens: int | None = None
     tokens and rounds behind them), and
     whether the drafter copies: over every answer position, the share where prompt lookup (the n-gram drafter)
     proposes the right next token, and the drafter's first-draft accuracy there and at the other positions.
-    eos_token_id: the tokenizer's, so that an answer ends where the loop stops (answer_span)."""
+    model: a draft model, or an eval.spec_decode.NgramDrafter (prompt lookup needs no hidden states: its tau on the
+    same records, the baseline beside a learning curve). eos_token_id: the tokenizer's, so that an answer ends where
+    the loop stops (answer_span)."""
     rounds, record_tokens, record_rounds, hit_rows, right_rows = [], [], [], [], []
     for record in records:
         first, end = answer_span(record, max_new_tokens, eos_token_id)
-        matches = draft_matches(model, record, gamma)
+        if isinstance(model, NgramDrafter):
+            matches = lookup_matches(record["input_ids"].tolist(), gamma, model.max_n, model.min_n)
+        else:
+            matches = draft_matches(model, record, gamma)
         mine = replay_rounds(matches, first, end, gamma)
         rounds += mine
         record_tokens.append(sum(r.accepted + 1 for r in mine))
@@ -43,21 +49,27 @@ def replay_records(model, records, gamma: int, max_new_tokens: int | None = None
 
 
 def lookup_hits(input_ids: torch.Tensor, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
-    """[B, S] bool: position a is True when prompt lookup over input_ids[: a + 1] proposes input_ids[a + 1] first.
+    """[B, S] bool: position a is True when prompt lookup over input_ids[: a + 1] proposes input_ids[a + 1] first."""
+    return torch.stack([lookup_matches(ids, 1, max_n, min_n)[:, 0] for ids in input_ids.tolist()])
 
-    The n-gram drafter's rule (eval's NgramDrafter): the most recent earlier occurrence of the last n tokens,
-    n = max_n..min_n, proposes the token that followed it. One pass per row, a dict per n of each n-gram's latest
-    end.
+
+def lookup_matches(ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
+    """[S, gamma] bool, draft_matches for prompt lookup: entry [a, j-1] says whether the n-gram drafter, run over
+    ids[: a + 1], proposes ids[a + j] as its draft j (False past its proposal or the sequence).
+
+    The rule of eval's NgramDrafter: the most recent earlier occurrence of the last n tokens, n = max_n..min_n,
+    proposes the (up to gamma) tokens that followed it. One pass, a dict per n of each n-gram's latest end.
     """
-    hits = torch.zeros(input_ids.shape, dtype=torch.bool)
-    for row, ids in enumerate(input_ids.tolist()):
-        latest_end = [dict() for _ in range(max_n + 1)]
-        for a in range(len(ids) - 1):
-            for n in range(min(max_n, a + 1), min_n - 1, -1):
-                end = latest_end[n].get(tuple(ids[a - n + 1: a + 1]))
-                if end is not None:
-                    hits[row, a] = ids[end + 1] == ids[a + 1]
-                    break
-            for n in range(min_n, min(max_n, a + 1) + 1):
-                latest_end[n][tuple(ids[a - n + 1: a + 1])] = a
-    return hits
+    out = torch.zeros(len(ids), gamma, dtype=torch.bool)
+    latest_end = [dict() for _ in range(max_n + 1)]
+    for a in range(len(ids) - 1):
+        for n in range(min(max_n, a + 1), min_n - 1, -1):
+            end = latest_end[n].get(tuple(ids[a - n + 1: a + 1]))
+            if end is not None:
+                proposal = ids[end + 1: min(end + 1 + gamma, a + 1)]
+                for j, token in enumerate(proposal[: len(ids) - a - 1]):
+                    out[a, j] = token == ids[a + j + 1]
+                break
+        for n in range(min_n, min(max_n, a + 1) + 1):
+            latest_end[n][tuple(ids[a - n + 1: a + 1])] = a
+    return out

@@ -78,3 +78,34 @@ def test_a_finished_run_keeps_its_steps_on_a_budget_rerun(tmp_path):
     (train / "DONE.json").write_text("{}")
     assert quality.finished_steps(tmp_path / "dflash") == 1430
     assert quality.finished_steps(tmp_path / "eagle3") is None
+
+
+def test_ngram_ratios_pair_each_final_draft_with_lookup_on_the_same_prompts():
+    ngram = {"replayed_tau": 1.8, "per_record_tokens": [30, 10], "per_record_rounds": [10, 10]}
+    curves = {"dspark": [{"step": 600, "replayed_tau": 9.0},
+                         {"step": 1200, "replayed_tau": 1.5, "per_record_tokens": [30, 30],
+                          "per_record_rounds": [20, 20]}]}
+    line, = quality.ngram_ratios(curves, ngram)
+    value, low, high = quality.paired_ratio(curves["dspark"][-1], ngram)
+    assert value == pytest.approx(1.5 / 1.8) and low < high  # the final draft, not the 9.0 of the earlier checkpoint
+    assert line == f"dspark / n-gram: {value:.3f} [{low:.3f}, {high:.3f}] (step 1200; n-gram replayed tau 1.800)"
+
+
+def test_data_scaling_fits_a_line_in_log_conversations_and_says_it_extrapolates():
+    import data_scaling
+
+    assert data_scaling.parse_sizes("1280:1200,256:480") == [(256, 480), (1280, 1200)]
+    for bad in ("256", "256:480", "a:b,1:2", "0:5,10:20"):
+        with pytest.raises(Exception, match="PROMPTS:STEPS"):
+            data_scaling.parse_sizes(bad)
+    a, b = data_scaling.log_fit([(100, 1.2), (1000, 1.4), (10000, 1.6)])
+    assert (a, b) == (pytest.approx(0.8), pytest.approx(0.2))
+    assert data_scaling.conversations_for(2.0, a, b) == pytest.approx(1e6)
+    assert data_scaling.conversations_for(2.0, 1.5, -0.1) == float("inf")
+    row = {"prompts": 256, "conversations": 100, "answer_tokens": 12000, "steps": 480, "taus": [1.1, 1.2],
+           "ngram_tau": 1.8, "over_ngram": (1.2 / 1.8, None, None),
+           "generalization": {"training records": 2.0, "in-distribution held-out": 1.5}}
+    lines = data_scaling.report([row, {**row, "conversations": 1000, "taus": [1.3, 1.4]}], 2.0, 1.0)
+    assert "| 256 | 100 | 12,000 | 480 | 1.100 / 1.200 | 1.800 | 0.667 | 2.00 / 1.50 |" in lines
+    assert "tau = 0.800 + 0.200 * log10(conversations)" in "\n".join(lines)
+    assert any(line.startswith("Extrapolated, not measured: tau 2.0 at ~1e+06 conversations") for line in lines)

@@ -659,6 +659,29 @@ def test_replay_stops_at_the_end_of_turn_token_like_the_loop(target):
     assert len(replay_rounds(draft_matches(drafter.model, record, GAMMA), *answer_span(record), GAMMA)) > len(replayed)
 
 
+@pytest.mark.parametrize("gamma", [1, GAMMA, 7])
+def test_ngram_replay_gives_the_loops_rounds(gamma, target):
+    """Prompt lookup replayed over the greedy answer (eval.replay.lookup_matches: no target, no loop) runs the loop's
+    own rounds with the n-gram drafter: the baseline a learning curve prints beside the drafts' replayed tau."""
+    from eval.replay import lookup_matches, replay_records
+    from train.rollout import answer_span, replay_rounds
+
+    records, accepted = [], 0
+    for prompt in PROMPTS + [[4, 5, 6, 4, 5, 6, 4, 5]]:  # a repeating prompt: lookup proposes from the start
+        result = speculative_generate(target, NgramDrafter(), prompt, gamma=gamma, max_new_tokens=40)
+        ids = prompt + result.ids
+        record = {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(result.ids))}
+        replayed = replay_rounds(lookup_matches(ids, gamma), *answer_span(record), gamma)
+        loop = [r.accepted for r in result.rounds]
+        assert [r.accepted for r in replayed][:-1] == loop[:-1] and replayed[-1].accepted <= loop[-1]
+        assert len(replayed) == len(loop)
+        records.append(record)
+        accepted += sum(loop)
+    assert accepted > 10  # lookup's drafts were accepted: the rounds compared are not all empty
+    report = replay_records(NgramDrafter(), records, gamma)
+    assert report["accept_len"] > 1.0 and report["first_draft_right_at_lookup_hits"] == 1.0
+
+
 def test_rollout_split_over_ranks_gives_one_ranks_rounds(target):
     """The opd stage's rollout replays every world_size-th answer on each rank and gathers them back in order: the
     same round starts and tau as one rank replaying them all."""
