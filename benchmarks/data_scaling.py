@@ -3,7 +3,7 @@ passes over it), replayed on the same held-out prompts beside prompt lookup, and
 through the final drafts: how many conversations a goal would take on this recipe (an extrapolation, printed as one).
 
     python benchmarks/data_scaling.py --out runs/scaling --gsm8k ../shared/data/gsm8k --regen-backend vllm \\
-        --sizes 256:480,1280:1200,2560:2400          # ~2.5 h on 2 CPU cores (README, "How tau grows with data")
+        --sizes 256:480,1280:1200,2560:2400   # ~2.5 h on 2 CPU cores (README, "How held-out tau grows with the data")
     python benchmarks/data_scaling.py --out runs/scaling-smoke --sizes 8:4,16:8 --eval-per-source 1  # a smoke run
 
 Each size PROMPTS:STEPS is a `benchmarks/quality.py --curve-only` run in OUT/p<PROMPTS> (regenerate PROMPTS training
@@ -48,6 +48,11 @@ def log_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return y0 - b * x0, b
 
 
+def final_fit(rows: list[dict]) -> tuple[float, float]:
+    """log_fit through each size's final draft."""
+    return log_fit([(r["conversations"], r["taus"][-1]) for r in rows])
+
+
 def conversations_for(tau: float, a: float, b: float) -> float:
     """Where the fitted line reaches `tau` (inf where it does not rise)."""
     return 10 ** ((tau - a) / b) if b > 0 else math.inf
@@ -67,7 +72,8 @@ def size_row(run: Path, family: str, prompts: int) -> dict:
             "generalization": curves["trained"][family]["generalization"]}
 
 
-def report(rows: list[dict], goal: float, goal_over_ngram: float) -> list[str]:
+def report(rows: list[dict], fit: tuple[float, float], goal: float, goal_over_ngram: float) -> list[str]:
+    """The table of the sizes, final_fit's line and where it reaches the goals."""
     lines = ["| prompts | conversations | answer tokens | steps | held-out tau at half / all the steps | n-gram tau "
              "| tau / n-gram (90% paired bootstrap) | on its training records / unseen prompts of its sources |",
              "|---|---|---|---|---|---|---|---|"]
@@ -76,7 +82,7 @@ def report(rows: list[dict], goal: float, goal_over_ngram: float) -> list[str]:
                      + " / ".join(f"{t:.3f}" for t in r["taus"]) + f" | {r['ngram_tau']:.3f} | "
                      f"{format_ratio(*r['over_ngram'])} | {r['generalization']['training records']:.2f} / "
                      f"{r['generalization']['in-distribution held-out']:.2f} |")
-    a, b = log_fit([(r["conversations"], r["taus"][-1]) for r in rows])
+    a, b = fit
     ngram = rows[-1]["ngram_tau"]
     lines += ["", f"Fit through the final drafts: tau = {a:.3f} + {b:.3f} * log10(conversations) (+{b:.3f} per tenfold "
               "data)."]
@@ -118,8 +124,8 @@ def main() -> int:
         if done.returncode != 0:
             raise SystemExit(f"[scaling] quality.py failed (exit {done.returncode}); see {out / f'p{prompts}.log'}")
         rows.append(size_row(run, args.family, prompts))
-    lines = report(rows, args.goal, args.goal_over_ngram)
-    a, b = log_fit([(r["conversations"], r["taus"][-1]) for r in rows])
+    a, b = final_fit(rows)
+    lines = report(rows, (a, b), args.goal, args.goal_over_ngram)
     (out / "scaling.json").write_text(json.dumps({"family": args.family, "fit": {"a": a, "b_per_decade": b},
                                                   "rows": rows}, indent=1) + "\n")
     print("\n".join(lines))

@@ -105,7 +105,8 @@ def test_data_scaling_fits_a_line_in_log_conversations_and_says_it_extrapolates(
     row = {"prompts": 256, "conversations": 100, "answer_tokens": 12000, "steps": 480, "taus": [1.1, 1.2],
            "ngram_tau": 1.8, "over_ngram": (1.2 / 1.8, None, None),
            "generalization": {"training records": 2.0, "in-distribution held-out": 1.5}}
-    lines = data_scaling.report([row, {**row, "conversations": 1000, "taus": [1.3, 1.4]}], 2.0, 1.0)
+    rows = [row, {**row, "conversations": 1000, "taus": [1.3, 1.4]}]
+    lines = data_scaling.report(rows, data_scaling.final_fit(rows), 2.0, 1.0)
     assert "| 256 | 100 | 12,000 | 480 | 1.100 / 1.200 | 1.800 | 0.667 | 2.00 / 1.50 |" in lines
     assert "tau = 0.800 + 0.200 * log10(conversations)" in "\n".join(lines)
     assert any(line.startswith("Extrapolated, not measured: tau 2.0 at ~1e+06 conversations") for line in lines)
