@@ -51,7 +51,8 @@ def test_family_switches(target):
     # a target's shared settings must never switch a family's heads back on
     dspark, dflash, eagle3 = (load_recipe(f"{f}_{target}") for f in ("dspark", "dflash", "eagle3"))
     # DeepSpec's mix on the GPU targets; the CPU-sized SmolLM2 recipes train DSpark and DFlash on CE, half of it soft
-    # (measured: README "What each lever gave", "Where the gap is", "The three families on the 60-minute data")
+    # (measured: benchmarks/README.md, "What each lever gave", "Where the gap is", "The three families on the
+    # 60-minute data")
     dspark_mix = (0.5, 0.5, 0.0, 1.0) if target == "smollm2_135m" else (0.1, 0.0, 0.9, 1.0)
     assert (dspark.loss.ce_alpha, dspark.loss.soft_ce_alpha, dspark.loss.l1_alpha, dspark.loss.conf_alpha) == dspark_mix
     assert dspark.draft.markov_rank > 0 and dspark.draft.enable_confidence_head

@@ -1,9 +1,9 @@
 """A block drafter's first attention layer started as a copy mechanism (recipe `draft.init_copy: trained` or `frozen`).
 
 Prompt lookup, free, gets ~46% of SmolLM2's held-out answer tokens right (the token after an earlier occurrence of
-the pending token), and a block drafter trained from N(0, 0.02) learns none of it at CPU scale (README, "Copying from
-the context"). The drafter can copy without a new part: its context keys/values are its own projections of the
-target's states. So layer 0's attention starts as one:
+the pending token), and a block drafter trained from N(0, 0.02) learns none of it at CPU scale
+(benchmarks/README.md, "Copying from the context"). The drafter can copy without a new part: its context keys/values
+are its own projections of the target's states. So layer 0's attention starts as one:
 
 - match: the pending token's embedding (the block's anchor slot) is the query; the key of context position j is a
   linear read of the token at j from the first captured layer (a ridge fit on the cache; 99.8% of the held-out
@@ -72,7 +72,7 @@ def fit_copy_maps(draft, cache, kv_heads: int | None = None,
 def _copy_heads(attn, kv_heads: int | None) -> tuple[int, int]:
     """(key/value heads, query heads) that copy: the first `kv_heads` (None: all) and their query heads. All copy in
     the recipes: on SmolLM2 one of three, leaving the others free to train, gave 1.333 held-out at 560 steps frozen,
-    all three 1.348 (README)."""
+    all three 1.348 (benchmarks/README.md, "Copying from the context")."""
     kv_heads = attn.num_kv_heads if kv_heads is None else min(kv_heads, attn.num_kv_heads)
     return kv_heads, kv_heads * attn.num_heads // attn.num_kv_heads
 
@@ -123,8 +123,8 @@ def freeze_copy_attention(draft, kv_heads: int | None = None) -> None:
     """Keep the fitted copy path as fitted while the rest of the drafter trains (draft.init_copy: frozen): layer 0's
     copying heads' projections and layer 0's q/k norms frozen, and fc's rows that feed them: their gradient is zeroed
     (so AdamW, whose moments stay zero there, never moves them; a train.weight_decay above 0 would still shrink them,
-    so a recipe with both is refused). Trained along with the rest, the copy start was gone within ~100 steps (README,
-    "Copying from the context")."""
+    so a recipe with both is refused). Trained along with the rest, the copy start was gone within ~100 steps
+    (benchmarks/README.md, "Copying from the context")."""
     attn = draft.layers[0].self_attn
     copy_kv, copy_q = _copy_heads(attn, kv_heads)
     attn.q_norm.requires_grad_(False)
