@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from data.sources import Prompt, SourceSpec, read_source, resolve_source
+from data.rows import Prompt
+from data.sources import SourceSpec, read_source, resolve_source
 
 __all__ = ["DEFAULT_HOLDOUT_FRACTION", "eval_prompts", "is_holdout", "load_prompts"]
 

@@ -1,4 +1,5 @@
-"""Tests for data.sources and data.prompts: sources, row shapes, errors, dedup, splitting and mixing."""
+"""Tests for data.sources, data.readers, data.rows and data.prompts: sources, file formats, row shapes, errors, dedup,
+splitting and mixing."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from data import sources as P
+from data import readers, sources
 from data.prompts import eval_prompts, is_holdout, load_prompts
-from data.sources import Prompt, load_source
+from data.rows import Prompt
+from data.sources import load_source
 
 
 @dataclass
@@ -77,7 +79,7 @@ def test_json_array_stream_reads_only_what_is_consumed():
     items = [{"id": i, "text": "x" * 200} for i in range(2000)]
     data = json.dumps(items)
     f = io.StringIO(data)
-    stream = P._iter_json_array_stream(f, chunk_chars=4096)
+    stream = readers.iter_json_array_stream(f, chunk_chars=4096)
     first = [next(stream) for _ in range(3)]
     assert first == items[:3]
     assert f.tell() < len(data) // 10  # not the whole file
@@ -87,9 +89,9 @@ def test_json_array_stream_tolerates_truncation_and_big_elements():
     items = [{"id": i, "text": "y" * (i * 3000)} for i in range(6)]
     data = json.dumps(items)
     cut = data[: data.index('"id": 5') + 100]  # element 5 cut off; elements span many chunks
-    assert list(P._iter_json_array_stream(io.StringIO(cut), chunk_chars=512)) == items[:5]
-    assert list(P._iter_json_array_stream(io.StringIO(data), chunk_chars=512)) == items
-    assert list(P._iter_json_array_stream(io.StringIO(data[:-1]), chunk_chars=512)) == items  # no ']'
+    assert list(readers.iter_json_array_stream(io.StringIO(cut), chunk_chars=512)) == items[:5]
+    assert list(readers.iter_json_array_stream(io.StringIO(data), chunk_chars=512)) == items
+    assert list(readers.iter_json_array_stream(io.StringIO(data[:-1]), chunk_chars=512)) == items  # no ']'
 
 
 def test_sharegpt_path_truncated_file(tmp_path):
@@ -123,7 +125,7 @@ def test_sharegpt_file_cut_at_its_end_keeps_what_came_before_with_a_warning(tmp_
     text = json.dumps(convs, indent=2)
     path = tmp_path / "cut.json"
     path.write_text(text[: text.index("question 4") + 20])  # a truncated download: the last conversation runs to EOF
-    with caplog.at_level("WARNING", logger="data.sources"):
+    with caplog.at_level("WARNING", logger="data.readers"):
         rows = load_source("sharegpt", path=str(path))
     assert [p.id for p in rows] == [f"sharegpt:c{i}" for i in range(4)]
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
@@ -147,12 +149,37 @@ def test_sharegpt_syntax_error_before_the_end_is_refused_with_its_place(tmp_path
     line, column = before.count("\n") + 1, len(before) - before.rfind("\n")
     for chunk_chars in (16, 1 << 20):  # the error inside one chunk or across many
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(P, "_CHUNK_CHARS", chunk_chars)
+            patch.setattr(readers, "CHUNK_CHARS", chunk_chars)
             with pytest.raises(ValueError) as err:
                 load_source("sharegpt", path=str(path))
         message = str(err.value)
         assert str(path) in message and f"element {element} (0-based) at line {line}, column {column}:" in message
         assert "repair the file" in message
+
+
+def _bad_utf8(path):
+    path.write_bytes(b'{"prompt": "caf\xe9 au lait"}\n')  # Latin-1, not UTF-8
+
+
+def _cut_gz(path):
+    rows = "".join(json.dumps({"prompt": f"question {i} " + "x" * 50}) + "\n" for i in range(200))
+    packed = gzip.compress(rows.encode())
+    path.write_bytes(packed[: len(packed) // 2])  # a download cut half way
+
+
+@pytest.mark.parametrize("source", ["file", "sharegpt"])
+@pytest.mark.parametrize("name,damage,says", [("bad.jsonl", _bad_utf8, "not valid UTF-8"),
+                                              ("cut.jsonl.gz", _cut_gz, "the .gz file is cut off or corrupt")],
+                         ids=["invalid UTF-8", "cut .gz"])
+def test_prompt_file_that_cannot_be_decoded_is_refused_naming_it(tmp_path, source, name, damage, says, drill):
+    """Issue 37: invalid UTF-8 and a cut .gz used to stop the run with a decoder's message that names no file. Read
+    whole (a prompt file) or streamed (a ShareGPT file), the error names the file, what is wrong and the fix."""
+    drill("corruption", f"{source} prompt file: {says}")
+    path = tmp_path / name
+    damage(path)
+    with pytest.raises(ValueError) as err:
+        load_source(str(path)) if source == "file" else load_source("sharegpt", path=str(path))
+    assert str(path) in str(err.value) and says in str(err.value)
 
 
 def test_sharegpt_reading_stops_at_limit(tmp_path, monkeypatch):
@@ -172,8 +199,8 @@ def test_sharegpt_reading_stops_at_limit(tmp_path, monkeypatch):
     def open_text(p):
         return CountingIO(text)
 
-    monkeypatch.setattr(P, "_open_text", open_text)
-    monkeypatch.setattr(P, "_CHUNK_CHARS", 8192)
+    monkeypatch.setattr(sources, "open_text", open_text)
+    monkeypatch.setattr(readers, "CHUNK_CHARS", 8192)
     rows = load_source("sharegpt", path=str(path), limit=7)
     assert [p.id for p in rows] == [f"sharegpt:c{i}" for i in range(7)]
     assert 0 < sum(read_chars) < len(text) // 20
@@ -274,8 +301,8 @@ def test_plain_python_reader_matches_datasets(tmp_path, name):
         path.write_text(json.dumps(rows, indent=1))
     else:
         write_jsonl(path, rows, gz=name.endswith(".gz"))
-    assert P._read_json_rows_python(path) == rows
-    via_datasets = [{k: v for k, v in r.items() if v is not None} for r in P._read_json_rows(path)]
+    assert readers.read_json_rows_python(path) == rows
+    via_datasets = [{k: v for k, v in r.items() if v is not None} for r in readers.read_json_rows(path)]
     assert via_datasets == rows
 
 

@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from data import regenerate
-from data.sources import Prompt
+from data.rows import Prompt
 from data.regenerate import Answer, OpenAIBackend, regenerate_chunk, run_regenerate
 from core.dist import Dist
 from core.recipe import load_recipe
