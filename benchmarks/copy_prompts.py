@@ -1,5 +1,5 @@
-"""Copy-task training prompts from ShareGPT's own answers, for the copying lever of benchmarks/quality.py (README,
-"Copying from the context"):
+"""Copy-task training prompts from ShareGPT's own answers, for the copying lever of benchmarks/quality.py
+(benchmarks/README.md, "Copying from the context"):
 
     python benchmarks/copy_prompts.py runs/copy_prompts.jsonl --count 160
     python benchmarks/quality.py --train-prompts 320 --add-source runs/copy_prompts.jsonl=0.5 ...

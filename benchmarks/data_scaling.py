@@ -3,13 +3,14 @@ passes over it), replayed on the same held-out prompts beside prompt lookup, and
 through the final drafts: how many conversations a goal would take on this recipe (an extrapolation, printed as one).
 
     python benchmarks/data_scaling.py --out runs/scaling --gsm8k ../shared/data/gsm8k --regen-backend vllm \\
-        --sizes 256:480,1280:1200,2560:2400   # ~2.5 h on 2 CPU cores (README, "How held-out tau grows with the data")
+        --sizes 256:480,1280:1200,2560:2400   # ~2.5 h on 2 CPU cores (benchmarks/README.md)
     python benchmarks/data_scaling.py --out runs/scaling-smoke --sizes 8:4,16:8 --eval-per-source 1  # a smoke run
 
 Each size PROMPTS:STEPS is a `benchmarks/quality.py --curve-only` run in OUT/p<PROMPTS> (regenerate PROMPTS training
 prompts, cache, train STEPS steps, replay held-out tau at half and all the steps, prompt lookup replayed on the same
 prompts); a rerun reuses every finished size. The held-out prompts are the same at every size (quality.py's fixed
-selection). Writes OUT/scaling.json and prints the table and the fit.
+selection). Writes OUT/scaling.json and prints the table and the fit. Measured: benchmarks/README.md, "How held-out
+tau grows with the data".
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
-from quality import FAMILIES, OFFLINE, format_ratio, paired_ratio  # noqa: E402
+from benchmarks.harness import FAMILIES, OFFLINE  # noqa: E402
+from eval.compare import format_ratio, paired_ratio  # noqa: E402
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:

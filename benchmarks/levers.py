@@ -1,6 +1,6 @@
 """What a training lever gives: one family trained on the same data with and without it, at equal steps (the same
-batches and schedule), scored by held-out tau replayed on prompts from other sources. The figures of the README's
-"What each lever gave" tables.
+batches and schedule), scored by held-out tau replayed on prompts from other sources. The figures of
+benchmarks/README.md's "What each lever gave" and "Hidden-state cache encoding" tables.
 
     python benchmarks/levers.py --gsm8k ../shared/data/gsm8k --steps 240 --regen-prompts 128 --source-prompts 384 \\
         --variant full-vocab:loss.vocab_size=null --variant lr3e-3:train.lr=3e-3     # about 75 min on 2 CPU cores
@@ -31,10 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from quality import (learning_curve, link_data, open_eval_cache, parse_arm, prepare_eval_data,  # noqa: E402
-                     run_pipeline, sets, source_sets, training_sources)
+from benchmarks.harness import (learning_curve, link_data, open_eval_cache, parse_arm,  # noqa: E402
+                                prepare_eval_data, run_pipeline, sets, source_sets, training_sources)
 
 
 def main() -> int:

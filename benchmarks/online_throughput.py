@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.quality import ratio, run_pipeline, sets  # noqa: E402
+from benchmarks.harness import ratio, run_pipeline, sets  # noqa: E402
 
 
 def folder_bytes(path: Path) -> int:

@@ -2,11 +2,13 @@
 the n-gram drafter and plain HF `generate`, in one run.
 
     python benchmarks/quality.py --budget-s 600 --train-prompts 256 --eval-per-source 6 --gsm8k ../shared/data/gsm8k
-                                                        # about 65 min on 2 CPU cores (the README's figures)
+                                                        # about 65 min on 2 CPU cores (benchmarks/README.md,
+                                                        # "The 10-minute budget")
     python benchmarks/quality.py --out runs/q60 --train-prompts 1280 --regen-backend vllm \\
         --gsm8k ../shared/data/gsm8k --eval-per-source 6 --steps 1200 --curve-points 6 --families dspark
                                                         # the 60-minute budget: 41 min end to end + ~17 min of
-                                                        # held-out answers, replays and the loop (README)
+                                                        # held-out answers, replays and the loop
+                                                        # (benchmarks/README.md, "Five times the data")
     python benchmarks/quality.py --budget-s 60 --train-prompts 32 --eval-per-source 2  # a quick smoke run
 
 1. Regenerates once: the target answers the training prompts (ShareGPT, plus GSM8K train with --gsm8k) and the cache
@@ -20,81 +22,40 @@ the n-gram drafter and plain HF `generate`, in one run.
    Checkpoints along the way give the learning curve.
 4. Evaluates every final draft with the real speculative loop (T=0, gamma 7) on the eval prompts, with the n-gram
    drafter and plain HF generate on the same prompts: tau, accept_rate@k, exact_match, speedup.
+5. Per source (MT-bench, HumanEval, GSM8K), for the copy-heavy prompts (prompt lookup's tau > 2.5 on the prompt) and
+   the rest, and overall: each final draft's tau over prompt lookup's with a paired 90% interval (eval/compare.py),
+   in the real loop and replayed, and beside each ratio the replayed tau of the per-round oracle chooser between
+   the two (eval/replay.py): what the drafter still misses where lookup hits.
 
 Writes OUT/quality.json, OUT/quality.md and OUT/learning_curve.png (held-out tau against training minutes). Each
 final draft is also replayed on its training records and on unseen prompts of the training sources (their holdout
 split), which splits its gap into memorisation and domain shift. --curve-only stops before the real loop
 (OUT/curves.json; each draft's tau over prompt lookup's, both replayed on the same prompts): arms that compare
-training settings at equal steps need only the curves. Each --arm trains
-every family again with its overrides on the same data and steps and prints its held-out tau over the recipe's
-at every checkpoint, e.g. --arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5).
+training settings at equal steps need only the curves. Each --arm trains every family again with its overrides on
+the same data and steps and prints its held-out tau over the recipe's at every checkpoint, e.g.
+--arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5). The helpers the benchmark scripts share (the
+pipeline in a child process, the data, the replays) live in benchmarks/harness.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import (FAMILIES, eval_records, generalization, learning_curve, link_data,  # noqa: E402
+                                ngram_replay, open_eval_cache, parse_arm, parse_source, prepare_data,
+                                prepare_in_distribution_data, ratio, run_pipeline, sets, source_sets)
 from core import stage  # noqa: E402
 from core.io import read_json  # noqa: E402
+from eval.compare import format_ratio, paired_ratio, source_rows, source_table  # noqa: E402
 
-FAMILIES = ("dspark", "dflash", "eagle3")
 TRAIN_DATA = {"regenerate": "the target's own greedy answers", "source": "the sources' own answers, target's labels"}
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
-           "TOKENIZERS_PARALLELISM": "false"}
-
-
-def sets(**values) -> list[str]:
-    return [arg for key, value in values.items() for arg in ("--set", f"{key.replace('__', '.')}={value}")]
-
-
-def run_pipeline(recipe: str, out: Path, stages: str, nproc: int, extra: list[str], log: Path,
-                 env: dict | None = None) -> float:
-    """train/main.py in a child process (torchrun with nproc > 1), `env` added to its environment; returns its wall
-    seconds. Fails loudly."""
-    launcher = [sys.executable, "train/main.py"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train/main.py"]
-    command = launcher + ["--recipe", recipe, "--out", str(out), "--stages", stages] + extra
-    print(f"[quality] {' '.join(command[-(len(extra) + 6):])}", flush=True)
-    start = time.perf_counter()
-    with open(log, "a") as handle:
-        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **OFFLINE, **(env or {})}, stdout=handle,
-                              stderr=subprocess.STDOUT)
-    if done.returncode != 0:
-        raise SystemExit(f"[quality] failed (exit {done.returncode}); see {log}")
-    return time.perf_counter() - start
-
-
-def write_eval_prompts(path: Path, per_source: int, gsm8k: Path | None, seed: int) -> list[str]:
-    from data.prompts import eval_prompts
-
-    sources = [("mtbench", None), ("humaneval", None)] + ([("gsm8k", str(gsm8k / "test.jsonl"))] if gsm8k else [])
-    rows, names = [], []
-    for name, source_path in sources:
-        for prompt in eval_prompts(name, per_source, seed, path=source_path):
-            rows.append({"id": prompt.id, "turns": [prompt.turns[0]]})
-        names.append(name)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return names
-
-
-def link_data(data_run: Path, family_run: Path, names: tuple[str, ...] = ("regen", "cache")) -> None:
-    """A family's run folder reads the shared regeneration and cache (the train stage only reads them)."""
-    family_run.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        link = family_run / name
-        if not link.exists():
-            link.symlink_to((data_run / name).resolve(), target_is_directory=True)
 
 
 def seconds_per_step(out: Path) -> float:
@@ -119,32 +80,6 @@ def tau_at(points: list[dict], minutes: float) -> float:
     return curve[-1][1]
 
 
-def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id) -> list[dict]:
-    """Replayed held-out tau of every checkpoint, against the training minutes spent to reach it."""
-    from eval.replay import replay_records
-    from modeling.registry import load_draft_model
-
-    rows = [json.loads(line) for line in (family_run / "train" / "metrics.jsonl").read_text().splitlines()]
-    elapsed, minutes = 0.0, {}
-    for row in rows:
-        elapsed += row["step_s"]
-        minutes[row["step"]] = elapsed / 60
-    records = [eval_cache[i] for i in range(len(eval_cache))]
-    points = []
-    for ckpt in sorted((family_run / "train" / "checkpoints").glob("step-*")):
-        step = int(ckpt.name.split("-")[1])
-        model = load_draft_model(ckpt / "draft").float()
-        replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
-        copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
-                                          "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds")}
-        points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"], **copying})
-        print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}; first "
-              f"draft right at {copying['first_draft_right_at_lookup_hits']:.3f} of the positions prompt lookup gets "
-              f"right ({copying['lookup_hit_share']:.0%} of them), {copying['first_draft_right_elsewhere']:.3f} "
-              "elsewhere", flush=True)
-    return points
-
-
 def plot_curves(curves: dict, baselines: dict, path: Path, budget_s: float) -> None:
     from eval.run import new_plot, save_plot
 
@@ -160,10 +95,6 @@ def plot_curves(curves: dict, baselines: dict, path: Path, budget_s: float) -> N
     ax.set_title("Held-out accept length while training"
                  + (f" ({budget_s / 60:.0f} min budget per family)" if budget_s else ""))
     save_plot(fig, ax, path)
-
-
-def ratio(a: float, b: float) -> float:
-    return a / b if b else float("nan")
 
 
 def end_to_end(data_s: float, trained: dict) -> str:
@@ -203,7 +134,11 @@ def markdown(result: dict) -> str:
     if result.get("data_s"):
         lines += [end_to_end(result["data_s"], result["drafters"]), ""]
     lines += ["Ratios of tau:", ""]
-    lines += [f"- {name}: {value:.3f}" for name, value in result["ratios"].items()]
+    lines += [f"- {name}: {value:.3f}" + oracle_note(result["curves"].get(name.split("/")[0]), name)
+              for name, value in result["ratios"].items()]
+    for name, vs in result.get("loop_vs_ngram", {}).items():
+        lines += ["", f"{name} against the n-gram drafter in the real loop, per source (T={vs['temperature']}):", "",
+                  *source_table(vs["rows"])]
     # The step budget comes from a short probe, so the families' real training minutes differ: compare them on the
     # learning curves at the shortest family's minutes too.
     curves = result["curves"]
@@ -215,6 +150,11 @@ def markdown(result: dict) -> str:
         lines += [f"- {family}: {tau_at(points, minutes):.3f}" for family, points in curves.items()]
         lines += ["", "Replayed held-out tau of the final drafts, with a 90% paired-bootstrap interval over the "
                       "held-out prompts:", ""] + [f"- {line}" for line in family_ratios(curves)]
+        if "ngram" in result:
+            lines += ["", "Replayed against prompt lookup on the same held-out prompts (oracle chooser: per round the "
+                          "longer accepted proposal of the two, replayed):", ""]
+            lines += [f"- {line}" for line in ngram_ratios(curves, result["ngram"])]
+            lines += ["", *source_tables(result.get("vs_ngram", {}))]
         copying = {f: points[-1] for f, points in curves.items() if "lookup_hit_share" in points[-1]}
         if copying:  # (results saved before this was measured lack it)
             share = next(iter(copying.values()))["lookup_hit_share"]
@@ -233,51 +173,6 @@ def markdown(result: dict) -> str:
                       "memorisation; in-distribution -> held-out sources: domain shift):", ""]
         lines += [f"- {name}: {gap_split(taus)}" for name, taus in split.items()]
     return "\n".join(lines) + "\n"
-
-
-def source_sets(train_data: str) -> list[str]:
-    """The recipe keys of --train-data: the sources' answers need the target's labels."""
-    return sets(regen__backend="source", loss__ce_labels="target") if train_data == "source" else []
-
-
-def training_sources(gsm8k: Path | None, extra: list[tuple[Path, float]] = ()) -> str:
-    """The training prompt sources, as a recipe value: ShareGPT, plus GSM8K train with --gsm8k, plus local prompt
-    files (--add-source)."""
-    return "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
-                                              f"weight: 1.0}}" if gsm8k else "") + "".join(
-        f", {{name: '{path.resolve()}', weight: {weight}}}" for path, weight in extra) + "]"
-
-
-def parse_arm(item: str) -> tuple[str, list[str]]:
-    """NAME:KEY=VALUE[,KEY=VALUE...] -> (NAME, ["--set", "KEY=VALUE", ...]): a training arm's recipe overrides."""
-    name, _, keys = item.partition(":")
-    if not name or "/" in name or not keys or any("=" not in kv for kv in keys.split(",")):
-        raise argparse.ArgumentTypeError(f"{item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
-                                         "decay1.5:loss.loss_decay_gamma=1.5")
-    return name, [arg for kv in keys.split(",") for arg in ("--set", kv)]
-
-
-def paired_ratio(arm: dict, recipe: dict, resamples: int = 2000) -> tuple[float, float | None, float | None]:
-    """Held-out tau of one checkpoint over another's, and a 90% interval from a paired bootstrap over the held-out
-    prompts (both taus recomputed on each resample of the same prompts), where both kept each prompt's tokens and
-    rounds (None, None otherwise): an interval that holds 1 is a lever the prompts do not resolve."""
-    ratio = arm["replayed_tau"] / recipe["replayed_tau"]
-    if "per_record_rounds" not in arm or "per_record_rounds" not in recipe:
-        return ratio, None, None
-    import random
-
-    def tau(point: dict, picks: list[int]) -> float:
-        return sum(point["per_record_tokens"][i] for i in picks) / sum(point["per_record_rounds"][i] for i in picks)
-
-    rng, count = random.Random(0), len(arm["per_record_rounds"])
-    draws = sorted(tau(arm, picks) / tau(recipe, picks) for picks in (
-        [rng.randrange(count) for _ in range(count)] for _ in range(resamples)))
-    return ratio, draws[int(0.05 * resamples)], draws[int(0.95 * resamples) - 1]
-
-
-def format_ratio(value: float, low: float | None, high: float | None) -> str:
-    """paired_ratio's result as printed: the ratio, and its interval where there is one."""
-    return f"{value:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None else "")
 
 
 def arm_ratios(curves: dict, arms: list[tuple[str, str]]) -> list[str]:
@@ -303,118 +198,40 @@ def family_ratios(curves: dict) -> list[str]:
     return lines
 
 
-def ngram_replay(eval_cache, max_new_tokens: int, eos_token_id) -> dict:
-    """Prompt lookup (the n-gram drafter) replayed on the held-out records: its tau, and the tokens and rounds per
-    prompt that pair it with a draft's in paired_ratio."""
-    from eval.replay import replay_records
-    from eval.spec_decode import NgramDrafter
-
-    replay = replay_records(NgramDrafter(), [eval_cache[i] for i in range(len(eval_cache))], 7, max_new_tokens,
-                            eos_token_id)
-    return {"replayed_tau": replay["accept_len"], "per_record_tokens": replay["per_record_tokens"],
-            "per_record_rounds": replay["per_record_rounds"]}
-
-
 def ngram_ratios(curves: dict, ngram: dict) -> list[str]:
     """Each run's final draft over prompt lookup on the same held-out prompts (the issue's each / n-gram), with
-    paired_ratio's interval."""
-    return [f"{name} / n-gram: {format_ratio(*paired_ratio(points[-1], ngram))} (step {points[-1]['step']}; n-gram "
-            f"replayed tau {ngram['replayed_tau']:.3f})" for name, points in curves.items()]
+    paired_ratio's interval and, where the replay kept it, the tau of the per-round oracle chooser of the two."""
+    lines = []
+    for name, points in curves.items():
+        final = points[-1]
+        oracle = f"; oracle chooser {final['oracle']['replayed_tau']:.3f}" if "oracle" in final else ""
+        lines.append(f"{name} / n-gram: {format_ratio(*paired_ratio(final, ngram))} (step {final['step']}; n-gram "
+                     f"replayed tau {ngram['replayed_tau']:.3f}{oracle})")
+    return lines
 
 
-def parse_source(item: str) -> tuple[Path, float]:
-    """--add-source FILE=WEIGHT (FILE: a local prompt file, .json/.jsonl in any shape data.sources reads)."""
-    path, _, weight = item.rpartition("=")
-    try:
-        value = float(weight)
-    except ValueError:
-        value = 0.0
-    if not (0 < value < math.inf) or not Path(path).is_file():  # (nan fails the comparison too)
-        raise argparse.ArgumentTypeError(f"{item!r}: expected FILE=WEIGHT with an existing prompt file and a weight "
-                                         "> 0, e.g. prompts.jsonl=0.5")
-    return Path(path), value
+def oracle_note(points: list[dict] | None, ratio_name: str) -> str:
+    """Beside a drafter / n-gram ratio of the real loop: the replayed tau of the per-round oracle chooser between that
+    drafter's final draft and prompt lookup, where the curve kept it."""
+    if not ratio_name.endswith("/ngram") or not points or "oracle" not in points[-1]:
+        return ""
+    return f" (oracle chooser of the two, replayed: tau {points[-1]['oracle']['replayed_tau']:.3f})"
 
 
-def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_new_tokens: int, nproc: int,
-                      log: Path) -> tuple[Path, Path, list[str]]:
-    """The held-out prompts (MT-bench, HumanEval, + GSM8K test) with their greedy answers regenerated and cached, to
-    replay held-out tau. Returns (eval run, eval prompt file, eval source names)."""
-    eval_file = out / "eval_prompts.jsonl"
-    eval_sources = write_eval_prompts(eval_file, eval_per_source, gsm8k, seed=0)
-    eval_run = out / "eval-data"
-    answer_and_cache(eval_file, eval_run, max_new_tokens, nproc, log)
-    return eval_run, eval_file, eval_sources
+def replayed_vs_ngram(curves: dict, ngram: dict, records: list[dict]) -> dict:
+    """Each run's final draft against prompt lookup, both replayed on the held-out records: eval/compare.py's rows per
+    source, copy-heavy / rest and overall, with the oracle chooser's tau; runs saved without tallies are left out."""
+    sources = [r["source"] for r in records]
+    return {name: source_rows(points[-1], ngram, sources, points[-1].get("oracle"))
+            for name, points in curves.items() if "per_record_rounds" in points[-1]}
 
 
-def answer_and_cache(prompt_file: Path, run: Path, max_new_tokens: int, nproc: int, log: Path) -> None:
-    """First turns of `prompt_file` answered greedily by the target and cached, for replay (eval/replay.py)."""
-    count = len(prompt_file.read_text().splitlines())
-    run_pipeline("dspark_smollm2_135m", run, "regenerate,cache", nproc,
-                 sets(data__sources=f"[{{name: '{prompt_file}'}}]", data__num_prompts=count, data__holdout_fraction=0.0,
-                      data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
-                      regen__max_new_tokens=max_new_tokens, cache__encoding=EVAL_CACHE_ENCODING), log)
-
-
-def prepare_in_distribution_data(out: Path, sources: str, count: int, max_new_tokens: int, nproc: int, log: Path,
-                                 overrides: list[str] = ()) -> Path:
-    """Prompts of the training sources that training never saw (their holdout split under the recipe's
-    data.holdout_fraction and seed), answered and cached like the held-out prompts: the same drafter replayed on them,
-    on the held-out sources and on its training records splits its gap into domain shift and memorisation."""
-    import yaml
-
-    from core.recipe import load_recipe
-    from data.prompts import load_prompts
-
-    recipe = load_recipe("dspark_smollm2_135m", list(overrides))
-    prompt_file = out / "in_distribution_prompts.jsonl"
-    prompts = load_prompts(yaml.safe_load(sources), count, recipe.data.holdout_fraction, recipe.seed, split="holdout")
-    prompt_file.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in prompts))
-    run = out / "in-distribution-data"
-    answer_and_cache(prompt_file, run, max_new_tokens, nproc, log)
-    return run
-
-
-def generalization(final: Path, caches: dict, count: int, gamma: int, max_new_tokens: int, eos_token_id) -> dict:
-    """Replayed tau of the final draft on the first `count` records of each cache (name -> cache)."""
-    from eval.replay import replay_records
-    from modeling.registry import load_draft_model
-
-    model = load_draft_model(final).float()
-    return {name: replay_records(model, [cache[i] for i in range(min(count, len(cache)))], gamma, max_new_tokens,
-                                 eos_token_id)["accept_len"] for name, cache in caches.items()}
-
-
-#: held-out tau is replayed from the target's own states, not from a compact copy of them (whatever the training
-#: cache's encoding: the arms that compare encodings must not change their yardstick)
-EVAL_CACHE_ENCODING = "raw"
-
-
-def open_eval_cache(recipe_name: str, eval_run: Path):
-    """The held-out prompts' cache (prepare_eval_data), read with `recipe_name`'s layers."""
-    from core.recipe import load_recipe
-    from data.capture import open_cache
-    from modeling.target import load_tokenizer, target_hidden_size
-
-    recipe = load_recipe(recipe_name, [f"cache.encoding={EVAL_CACHE_ENCODING}"])
-    return open_cache(recipe, eval_run / "cache", target_hidden_size(recipe.target.name_or_path),
-                      load_tokenizer(recipe.target.name_or_path))
-
-
-def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
-                 nproc: int, log: Path, train_data: str = "regenerate", regen_backend: str = "hf",
-                 extra_sources: list[tuple[Path, float]] = ()):
-    """Regenerate + cache the training prompts and the held-out eval prompts. Returns (train run, eval run, eval
-    prompt file, eval source names, training sources, training data seconds). `regen_backend` answers the training
-    prompts (vllm: one server on every core, so one process); the held-out prompts are always answered in-process."""
-    sources = training_sources(gsm8k, extra_sources)
-    data_run = out / "train-data"
-    backend = sets(regen__backend=regen_backend) if train_data == "regenerate" and regen_backend != "hf" else []
-    run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", 1 if backend else nproc,
-                 sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data) + backend, log)
-    # the two stages' seconds from their DONE.json (their last run's): right also when a finished folder is skipped
-    data_s = sum(json.loads((data_run / stage / "DONE.json").read_text())["seconds"] for stage in ("regen", "cache"))
-    eval_run, eval_file, eval_sources = prepare_eval_data(out, eval_per_source, gsm8k, max_new_tokens, nproc, log)
-    return data_run, eval_run, eval_file, eval_sources, sources, data_s
+def source_tables(vs_ngram: dict) -> list[str]:
+    """replayed_vs_ngram's rows as one markdown table a run."""
+    lines = []
+    for name, rows in vs_ngram.items():
+        lines += [f"{name}, final draft against prompt lookup per source (replayed, T=0):", "", *source_table(rows), ""]
+    return lines
 
 
 def main() -> int:
@@ -481,7 +298,7 @@ def main() -> int:
 
     from core.recipe import load_recipe
     from data.capture import open_cache
-    from eval.run import run_eval
+    from eval.run import run_eval, vs_ngram
     from modeling.target import load_target, load_tokenizer, target_hidden_size
 
     tokenizer = load_tokenizer("smollm2-135m-instruct")
@@ -543,10 +360,14 @@ def main() -> int:
         for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
             shutil.rmtree(ckpt)
 
+    # prompt lookup replayed on the same held-out records, and which prompt each record is: the per-source tables
+    records = eval_records(eval_run)
+    ngram = ngram_replay(eval_cache, args.max_new_tokens, eos_token_id)
+    replayed = replayed_vs_ngram(curves, ngram, records)
     if args.curve_only:
-        ngram = ngram_replay(eval_cache, args.max_new_tokens, eos_token_id)
         (out / "curves.json").write_text(json.dumps({"data_s": data_s, "trained": trained, "curves": curves,
-                                                     "ngram": ngram}, indent=1) + "\n")
+                                                     "ngram": ngram, "records": records, "vs_ngram": replayed},
+                                                    indent=1) + "\n")
         print(f"[quality] {end_to_end(data_s, trained)}")
         for name, points in curves.items():
             print(f"[quality] {name}: final draft replayed on {gap_split(trained[name]['generalization'])}")
@@ -554,11 +375,12 @@ def main() -> int:
                 f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
         for line in family_ratios(curves) + arm_ratios(curves, arm_pairs) + ngram_ratios(curves, ngram):
             print(f"[quality] {line}")
+        print("\n".join(["", *source_tables(replayed)]))
         return 0
 
     # --- 4. the real loop on the held-out prompts, baselines in the same process ------------------------------------
     target = load_target("smollm2-135m-instruct", "cuda" if torch.cuda.is_available() else "cpu")
-    baselines, drafters = {}, {}
+    baselines, drafters, samples = {}, {}, {}
     for name in families + ["ngram"]:
         draft = str(out / name / "train" / "final") if name in FAMILIES else name
         report = run_eval(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
@@ -566,6 +388,7 @@ def main() -> int:
                           max_new_tokens=args.max_new_tokens, scheduler=False, target=target, hf_generate=True,
                           baselines=baselines)
         drafters[name] = {**trained.get(name, {}), "report": {k: v for k, v in report.items() if k != "samples"}}
+        samples[name] = report["samples"]
         print(f"[quality] {name}: tau {report['accept_len']:.3f}, speedup {report['speedup']:.2f}x, "
               f"{report['speedup_vs_generate']:.2f}x of HF generate", flush=True)
 
@@ -583,7 +406,9 @@ def main() -> int:
               "train_tokens": train_manifest["num_tokens"], "data_s": data_s, "eval_sources": eval_sources,
               "num_eval_prompts": first["num_samples"], "target_tokens_per_s": first["target_tokens_per_s"],
               "hf_generate_tokens_per_s": first["hf_generate_tokens_per_s"], "drafters": drafters,
-              "ratios": ratios, "curves": curves, "arms": arm_pairs}
+              "ratios": ratios, "curves": curves, "arms": arm_pairs, "records": records, "ngram": ngram,
+              "vs_ngram": replayed,
+              "loop_vs_ngram": {f: vs_ngram(samples[f], samples["ngram"], 0.0) for f in families}}
     (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
     return write_reports(result, out)
 

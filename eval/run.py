@@ -12,6 +12,10 @@ decoding with the drafter. The report holds:
     schedule admits fewer);
   * verify_rate: sum of accept lengths / sum of (proposal length + 1);
   * exact_match: at T=0 the fraction of samples whose output equals the target's own greedy output (must be 1.0);
+  * samples: per prompt its id and source (eval/compare.py record_source), tau, and the tokens and rounds behind it;
+  * with the n-gram baseline, `vs_ngram`: tau and tau / n-gram with a paired 90% bootstrap interval per source,
+    for the copy-heavy prompts (n-gram tau > 2.5 on the prompt) and the rest, and overall (eval/compare.py), at the
+    eval's temperature;
   * spec_tokens_per_s, target_tokens_per_s and their ratio `speedup`;
   * DSpark with a confidence head: ECE/AUROC/Brier per position, STS temperatures fitted on a held-out half of the
     rounds (sts.json, SGLang's format) with ECE before/after, an SPS(B) table of the target (sps_table.json) and the
@@ -31,6 +35,7 @@ from core.io import atomic_write_json, atomic_write_text, read_json
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import eval_prompts
 from eval import SCHEDULES
+from eval.compare import record_source, source_rows, source_table, tally
 from eval.calibration import calibrate_sts, calibration_report, logits_from_probs, prefix_labels
 from eval.scheduler import VerifySchedule, format_table, profile_sps, simulate
 from eval.spec_decode import (DraftLMDrafter, GenerationResult, NgramDrafter, is_greedy, load_draft,
@@ -168,8 +173,10 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
         spec_prefill += result.prefill_s
         spec_tokens += len(result.ids)
         rounds += result.rounds
-        samples.append({"id": prompt.id, "accept_len": result.accept_len, "tokens": len(result.ids),
-                        "exact": result.ids == reference.ids})
+        samples.append({"id": prompt.id, "source": record_source(prompt.id), "accept_len": result.accept_len,
+                        "tokens": len(result.ids), "exact": result.ids == reference.ids,
+                        # tau = round_tokens / rounds: a paired bootstrap resamples them (eval/compare.py)
+                        "round_tokens": sum(r.accepted + 1 for r in result.rounds), "rounds": len(result.rounds)})
         if plain is not None:
             hf_time += plain.wall_s
             hf_tokens += len(plain.ids)
@@ -204,6 +211,7 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
                          baselines=baselines)
         report["ngram_baseline"] = {key: ngram[key] for key in ("accept_len", "accept_rate_at_k", "speedup")}
         report["tau_vs_ngram"] = report["accept_len"] / ngram["accept_len"]
+        report["vs_ngram"] = vs_ngram(samples, ngram["samples"], temperature)
     # Calibration reads every position's confidences: a scheduled run verified only the drafts it was confident in.
     if rounds and rounds[0].confidences is not None and schedule is None:
         report["calibration"] = _calibrate(rounds, gamma, out_dir, dataset)
@@ -213,6 +221,15 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
     atomic_write_text(out_dir / "report.md", report_markdown(report))
     plot_acceptance(report, out_dir / "accept_rate.png")
     return report
+
+
+def vs_ngram(samples: list[dict], ngram_samples: list[dict], temperature: float) -> dict:
+    """The draft against the n-gram drafter on the same prompts, per source, copy-heavy / rest and overall
+    (eval/compare.py source_rows), keyed by the temperature both ran at."""
+    if [s["id"] for s in samples] != [s["id"] for s in ngram_samples]:
+        raise ValueError("the n-gram baseline ran other prompts than the draft: nothing to pair")
+    return {"temperature": temperature,
+            "rows": source_rows(tally(samples), tally(ngram_samples), [s["source"] for s in samples])}
 
 
 @torch.inference_mode()
@@ -356,6 +373,9 @@ def report_markdown(report: dict) -> str:
         ngram = report["ngram_baseline"]
         lines += ["", f"The n-gram drafter on the same prompts: tau {ngram['accept_len']:.3f}, speedup "
                       f"{ngram['speedup']:.2f}x; this draft's tau is {report['tau_vs_ngram']:.2f}x of it."]
+    if "vs_ngram" in report:
+        lines += ["", f"## Against the n-gram drafter per source (T={report['vs_ngram']['temperature']})", "",
+                  *source_table(report["vs_ngram"]["rows"])]
     if "calibration" in report:
         cal = report["calibration"]
         lines += ["", "## Calibration (cumulative confidence vs prefix acceptance)", "",

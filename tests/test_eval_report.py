@@ -155,3 +155,36 @@ def test_ngram_side_by_side_in_the_same_report(tiny_qwen3, prompt_file, tmp_path
     assert report["tau_vs_ngram"] == pytest.approx(report["accept_len"] / ngram["accept_len"])
     assert report["tau_vs_ngram"] > 1.0  # the target drafting for itself accepts more than n-gram lookup
     assert "n-gram drafter on the same prompts" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_records_keep_prompt_id_and_source_and_report_per_source_ratios(tiny_qwen3, tmp_path, temperature):
+    """Every eval record keeps its prompt id and source (quality.py's held-out file: benchmark ids inside a prompt
+    file), with the tokens and rounds behind its tau; with the n-gram baseline, report.json and report.md hold tau /
+    n-gram with a paired interval per source, copy-heavy / rest and overall, at the eval's temperature."""
+    prompts = tmp_path / "eval_prompts.jsonl"
+    rows = [{"id": "mtbench:81", "turns": ["Write a travel blog post about Hawaii."]},
+            {"id": "humaneval:HumanEval/0", "turns": ["def add(a, b):\n    return a + b\n\nadd(1, 2)"]},
+            {"id": "mtbench:82", "turns": ["Repeat: one two three one two three one two three"]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = run_eval(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompts),
+                      out_dir=tmp_path / "run", num_samples=0, temperature=temperature, block_size=3,
+                      max_new_tokens=8, scheduler=False, ngram_baseline=True)
+    samples = report["samples"]
+    assert [(s["id"], s["source"]) for s in samples] == [("eval_prompts:mtbench:81", "mtbench"),
+                                                         ("eval_prompts:humaneval:HumanEval/0", "humaneval"),
+                                                         ("eval_prompts:mtbench:82", "mtbench")]
+    assert all(s["round_tokens"] / s["rounds"] == pytest.approx(s["accept_len"]) for s in samples)
+    on_disk = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [s["id"] for s in on_disk["samples"]] == [s["id"] for s in samples]
+    vs = on_disk["vs_ngram"]
+    assert vs["temperature"] == temperature
+    rows = {r["group"]: r for r in vs["rows"]}
+    assert {"humaneval", "mtbench", "all"} <= set(rows) and rows["mtbench"]["records"] == 2
+    assert rows["all"]["tau"] == pytest.approx(report["accept_len"])
+    assert rows["all"]["ratio"] == pytest.approx(report["tau_vs_ngram"])
+    assert rows["all"]["low"] <= rows["all"]["ratio"] <= rows["all"]["high"]
+    assert rows["all"]["ngram_tau"] == pytest.approx(report["ngram_baseline"]["accept_len"])
+    text = (tmp_path / "run" / "report.md").read_text()
+    assert f"## Against the n-gram drafter per source (T={temperature})" in text
+    assert "| mtbench | 2 |" in text and "| all | 3 |" in text

@@ -1,20 +1,22 @@
-"""benchmarks/quality.py's training arms (--arm): parsed into recipe overrides, refused when malformed, and compared
-with the family's recipe run checkpoint by checkpoint."""
+"""benchmarks/quality.py and its shared helpers (benchmarks/harness.py): training arms (--arm) parsed into recipe
+overrides, refused when malformed, and compared with the family's recipe run checkpoint by checkpoint; the final
+drafts against prompt lookup per source with the oracle chooser beside each ratio; which prompt each held-out cache
+record is."""
 
 import json
 import subprocess
 import sys
 
 import pytest
+import yaml
 
+from benchmarks import data_scaling, harness, quality
 from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import quality  # noqa: E402
+from eval.compare import paired_ratio
 
 
 def test_arm_becomes_recipe_overrides():
-    assert quality.parse_arm("decay1.5-layers3:loss.loss_decay_gamma=1.5,draft.num_layers=3") == (
+    assert harness.parse_arm("decay1.5-layers3:loss.loss_decay_gamma=1.5,draft.num_layers=3") == (
         "decay1.5-layers3", ["--set", "loss.loss_decay_gamma=1.5", "--set", "draft.num_layers=3"])
 
 
@@ -40,7 +42,7 @@ def test_arm_interval_comes_from_resampling_the_same_prompts():
     # prompt 0 gains a lot, prompts 1-3 lose a little: the ratio is above 1, the interval spans 1
     recipe = {"step": 8, "replayed_tau": 1.0, "per_record_tokens": [10, 10, 10, 10], "per_record_rounds": [10] * 4}
     arm = {"step": 8, "replayed_tau": 40 / 38, "per_record_tokens": [10] * 4, "per_record_rounds": [5, 11, 11, 11]}
-    ratio, low, high = quality.paired_ratio(arm, recipe)
+    ratio, low, high = paired_ratio(arm, recipe)
     assert ratio == pytest.approx(40 / 38)
     assert low < 1.0 < high
     line, = quality.arm_ratios({"d": [recipe], "d-x": [arm]}, [("d-x", "d")])
@@ -48,7 +50,7 @@ def test_arm_interval_comes_from_resampling_the_same_prompts():
     # every prompt gains: the whole interval is above 1
     arm["per_record_rounds"] = [8, 8, 9, 9]
     arm["replayed_tau"] = 40 / 34
-    ratio, low, high = quality.paired_ratio(arm, recipe)
+    ratio, low, high = paired_ratio(arm, recipe)
     assert low > 1.0
 
 
@@ -58,11 +60,11 @@ def test_family_ratios_compare_final_drafts_of_unequal_steps():
               {"step": 1200, "minutes": 21.0, "replayed_tau": 1.6, "per_record_tokens": [20, 20],
                "per_record_rounds": [10, 15]}]
     dflash = [{"step": 715, "minutes": 10.4, "replayed_tau": 1.1},
-              {"step": 1430, "minutes": 20.9, "replayed_tau": 1.4, "per_record_tokens": [20, 20],
+              {"step": 1430, "minutes": 20.9, "replayed_tau": 40 / 28, "per_record_tokens": [20, 20],
                "per_record_rounds": [12, 16]}]
     line, = quality.family_ratios({"dspark": dspark, "dflash": dflash})
-    value, low, high = quality.paired_ratio(dspark[-1], dflash[-1])
-    assert value == pytest.approx(1.6 / 1.4)
+    value, low, high = paired_ratio(dspark[-1], dflash[-1])
+    assert value == pytest.approx(1.6 / (40 / 28))
     assert 1.0 < low <= high  # both prompts gain
     assert line == (f"dspark / dflash: {value:.3f} [{low:.3f}, {high:.3f}] (final drafts: 1200 / 1430 steps, "
                     "21.0 / 20.9 training min)")
@@ -81,19 +83,21 @@ def test_a_finished_run_keeps_its_steps_on_a_budget_rerun(tmp_path):
 
 
 def test_ngram_ratios_pair_each_final_draft_with_lookup_on_the_same_prompts():
-    ngram = {"replayed_tau": 1.8, "per_record_tokens": [30, 10], "per_record_rounds": [10, 10]}
+    ngram = {"replayed_tau": 2.0, "per_record_tokens": [30, 10], "per_record_rounds": [10, 10]}
     curves = {"dspark": [{"step": 600, "replayed_tau": 9.0},
                          {"step": 1200, "replayed_tau": 1.5, "per_record_tokens": [30, 30],
                           "per_record_rounds": [20, 20]}]}
     line, = quality.ngram_ratios(curves, ngram)
-    value, low, high = quality.paired_ratio(curves["dspark"][-1], ngram)
-    assert value == pytest.approx(1.5 / 1.8) and low < high  # the final draft, not the 9.0 of the earlier checkpoint
-    assert line == f"dspark / n-gram: {value:.3f} [{low:.3f}, {high:.3f}] (step 1200; n-gram replayed tau 1.800)"
+    value, low, high = paired_ratio(curves["dspark"][-1], ngram)
+    assert value == pytest.approx(1.5 / 2.0) and low < high  # the final draft, not the 9.0 of the earlier checkpoint
+    assert line == f"dspark / n-gram: {value:.3f} [{low:.3f}, {high:.3f}] (step 1200; n-gram replayed tau 2.000)"
+    # the replay's oracle chooser between the draft and lookup, beside the ratio
+    curves["dspark"][-1]["oracle"] = {"replayed_tau": 2.0, "per_record_tokens": [30, 30], "per_record_rounds": [15, 15]}
+    line, = quality.ngram_ratios(curves, ngram)
+    assert line.endswith("(step 1200; n-gram replayed tau 2.000; oracle chooser 2.000)")
 
 
 def test_data_scaling_fits_a_line_in_log_conversations_and_says_it_extrapolates():
-    import data_scaling
-
     assert data_scaling.parse_sizes("1280:1200,256:480") == [(256, 480), (1280, 1200)]
     for bad in ("256", "256:480", "a:b,1:2", "0:5,10:20"):
         with pytest.raises(Exception, match="PROMPTS:STEPS"):
@@ -110,3 +114,63 @@ def test_data_scaling_fits_a_line_in_log_conversations_and_says_it_extrapolates(
     assert "| 256 | 100 | 12,000 | 480 | 1.100 / 1.200 | 1.800 | 0.667 | 2.00 / 1.50 |" in lines
     assert "tau = 0.800 + 0.200 * log10(conversations)" in "\n".join(lines)
     assert any(line.startswith("Extrapolated, not measured: tau 2.0 at ~1e+06 conversations") for line in lines)
+
+
+def _result(curves: dict, ngram: dict, records: list[dict]) -> dict:
+    """A quality.json as main writes it, with two eval records and made-up loop figures."""
+    report = {"accept_len": 1.5, "exact_match": 1.0, "spec_tokens_per_s": 50.0, "speedup": 1.1,
+              "speedup_vs_generate": 1.2, "accept_rate_at_k": [0.5] * 7}
+    loop_rows = {"temperature": 0.0, "rows": [{"group": "all", "records": 2, "tau": 1.5, "ngram_tau": 1.25,
+                                               "ratio": 1.2, "low": 1.1, "high": 1.3, "wins": 2}]}
+    return {"gamma": 7, "eval_sources": ["mtbench", "humaneval"], "num_eval_prompts": 2, "max_new_tokens": 128,
+            "train_sources": "[sharegpt]", "train_records": 10, "train_tokens": 1000, "data_s": 60.0,
+            "budget_s": None, "steps": 8, "nproc": 1, "target_tokens_per_s": 45.0, "hf_generate_tokens_per_s": 40.0,
+            "drafters": {"dspark": {"steps": 8, "train_s": 30.0, "report": report}, "ngram": {"report": report}},
+            "ratios": {"dspark/ngram": 1.2}, "curves": curves, "arms": [], "records": records, "ngram": ngram,
+            "vs_ngram": quality.replayed_vs_ngram(curves, ngram, records), "loop_vs_ngram": {"dspark": loop_rows}}
+
+
+def test_quality_report_prints_per_source_tables_with_the_oracle_chooser():
+    """quality.md: each final draft against prompt lookup per source and copy-heavy / rest, replayed (with the
+    oracle chooser's tau beside each ratio) and in the real loop; the loop's dspark / n-gram ratio gets the
+    replayed oracle beside it."""
+    records = [{"id": "eval_prompts:mtbench:81", "source": "mtbench"},
+               {"id": "eval_prompts:humaneval:HumanEval/0", "source": "humaneval"}]
+    ngram = {"replayed_tau": 2.0, "per_record_tokens": [10, 30], "per_record_rounds": [10, 10]}  # 1.0 / 3.0
+    final = {"step": 8, "minutes": 0.5, "replayed_tau": 1.75, "per_record_tokens": [15, 20],
+             "per_record_rounds": [10, 10], "oracle": {"replayed_tau": 2.25, "per_record_tokens": [15, 30],
+                                                       "per_record_rounds": [10, 10]}}
+    result = _result({"dspark": [final]}, ngram, records)
+    rows = {r["group"]: r for r in result["vs_ngram"]["dspark"]}
+    assert rows["mtbench"]["ratio"] == pytest.approx(1.5) and rows["humaneval"]["ratio"] == pytest.approx(2 / 3)
+    assert rows["copy-heavy (n-gram tau > 2.5)"]["records"] == 1 and rows["rest"]["oracle_tau"] == pytest.approx(1.5)
+    text = quality.markdown(result)
+    assert "- dspark/ngram: 1.200 (oracle chooser of the two, replayed: tau 2.250)" in text
+    assert "dspark against the n-gram drafter in the real loop, per source (T=0.0):" in text
+    assert "| all | 2 | 1.500 | 1.250 | 1.200 [1.100, 1.300] | 2 |" in text
+    assert "dspark / n-gram: 0.875" in text and "oracle chooser 2.250)" in text
+    assert "dspark, final draft against prompt lookup per source (replayed, T=0):" in text
+    assert "| humaneval | 1 | 2.000 | 3.000 | 0.667 [0.667, 0.667] | 0 | 3.000 |" in text
+    # results saved before the per-record tallies were kept still print, without the tables
+    old = {"step": 8, "minutes": 0.5, "replayed_tau": 1.75}
+    assert quality.replayed_vs_ngram({"dspark": [old]}, ngram, records) == {}
+
+
+def test_eval_records_name_the_cached_records_in_cache_order(tiny_qwen3, tmp_path):
+    """harness.eval_records: the held-out cache's records are the regenerated ones in order, less those the cache
+    stage drops (too few supervised tokens): each keeps its prompt id and source, so per-record tallies can be
+    split by source."""
+    from core.recipe import load_recipe, recipe_to_dict
+
+    recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", "data.min_loss_tokens=20"])
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    (tmp_path / "regen").mkdir()
+    long = " ".join(f"word{i}" for i in range(40))
+    rows = [("eval_prompts:mtbench:81", long), ("eval_prompts:gsm8k:3", "ok"),
+            ("eval_prompts:humaneval:HumanEval/0", long)]
+    (tmp_path / "regen" / "records.jsonl").write_text("".join(json.dumps(
+        {"id": pid, "source": "eval_prompts", "conversations": [{"role": "user", "content": "question"},
+                                                               {"role": "assistant", "content": answer}]}) + "\n"
+        for pid, answer in rows))
+    assert harness.eval_records(tmp_path) == [{"id": "eval_prompts:mtbench:81", "source": "mtbench"},
+                                              {"id": "eval_prompts:humaneval:HumanEval/0", "source": "humaneval"}]

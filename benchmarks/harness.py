@@ -1,0 +1,246 @@
+"""What the benchmark scripts share: recipe overrides and their command-line forms, the pipeline run in a child
+process, the training and held-out data they prepare (regenerated, cached), and the held-out replays (learning
+curves, prompt lookup, the generalization split). benchmarks/quality.py is the benchmark that uses all of it; every
+script imports it the same way, with the repository root on sys.path (as `python benchmarks/X.py` puts it there):
+
+    ROOT = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.harness import run_pipeline, sets  # noqa: E402
+
+The ratio of two drafters' taus and its paired interval live in eval/compare.py, which eval's own report uses too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FAMILIES = ("dspark", "dflash", "eagle3")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
+           "TOKENIZERS_PARALLELISM": "false"}
+
+#: held-out tau is replayed from the target's own states, not from a compact copy of them (whatever the training
+#: cache's encoding: the arms that compare encodings must not change their yardstick)
+EVAL_CACHE_ENCODING = "raw"
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def sets(**values) -> list[str]:
+    return [arg for key, value in values.items() for arg in ("--set", f"{key.replace('__', '.')}={value}")]
+
+
+def parse_arm(item: str) -> tuple[str, list[str]]:
+    """NAME:KEY=VALUE[,KEY=VALUE...] -> (NAME, ["--set", "KEY=VALUE", ...]): a training arm's recipe overrides."""
+    name, _, keys = item.partition(":")
+    if not name or "/" in name or not keys or any("=" not in kv for kv in keys.split(",")):
+        raise argparse.ArgumentTypeError(f"{item!r}: expected NAME:KEY=VALUE[,KEY=VALUE...], e.g. "
+                                         "decay1.5:loss.loss_decay_gamma=1.5")
+    return name, [arg for kv in keys.split(",") for arg in ("--set", kv)]
+
+
+def parse_source(item: str) -> tuple[Path, float]:
+    """--add-source FILE=WEIGHT (FILE: a local prompt file, .json/.jsonl in any shape data.sources reads)."""
+    path, _, weight = item.rpartition("=")
+    try:
+        value = float(weight)
+    except ValueError:
+        value = 0.0
+    if not (0 < value < math.inf) or not Path(path).is_file():  # (nan fails the comparison too)
+        raise argparse.ArgumentTypeError(f"{item!r}: expected FILE=WEIGHT with an existing prompt file and a weight "
+                                         "> 0, e.g. prompts.jsonl=0.5")
+    return Path(path), value
+
+
+def source_sets(train_data: str) -> list[str]:
+    """The recipe keys of --train-data: the sources' answers need the target's labels."""
+    return sets(regen__backend="source", loss__ce_labels="target") if train_data == "source" else []
+
+
+def training_sources(gsm8k: Path | None, extra: list[tuple[Path, float]] = ()) -> str:
+    """The training prompt sources, as a recipe value: ShareGPT, plus GSM8K train with --gsm8k, plus local prompt
+    files (--add-source)."""
+    return "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
+                                              f"weight: 1.0}}" if gsm8k else "") + "".join(
+        f", {{name: '{path.resolve()}', weight: {weight}}}" for path, weight in extra) + "]"
+
+
+def run_pipeline(recipe: str, out: Path, stages: str, nproc: int, extra: list[str], log: Path,
+                 env: dict | None = None) -> float:
+    """train/main.py in a child process (torchrun with nproc > 1), `env` added to its environment; returns its wall
+    seconds. Fails loudly."""
+    launcher = [sys.executable, "train/main.py"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "train/main.py"]
+    command = launcher + ["--recipe", recipe, "--out", str(out), "--stages", stages] + extra
+    print(f"[quality] {' '.join(command[-(len(extra) + 6):])}", flush=True)
+    start = time.perf_counter()
+    with open(log, "a") as handle:
+        done = subprocess.run(command, cwd=ROOT, env={**os.environ, **OFFLINE, **(env or {})}, stdout=handle,
+                              stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"[quality] failed (exit {done.returncode}); see {log}")
+    return time.perf_counter() - start
+
+
+def link_data(data_run: Path, family_run: Path, names: tuple[str, ...] = ("regen", "cache")) -> None:
+    """A family's run folder reads the shared regeneration and cache (the train stage only reads them)."""
+    family_run.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        link = family_run / name
+        if not link.exists():
+            link.symlink_to((data_run / name).resolve(), target_is_directory=True)
+
+
+def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_source: int, max_new_tokens: int,
+                 nproc: int, log: Path, train_data: str = "regenerate", regen_backend: str = "hf",
+                 extra_sources: list[tuple[Path, float]] = ()):
+    """Regenerate + cache the training prompts and the held-out eval prompts. Returns (train run, eval run, eval
+    prompt file, eval source names, training sources, training data seconds). `regen_backend` answers the training
+    prompts (vllm: one server on every core, so one process); the held-out prompts are always answered in-process."""
+    sources = training_sources(gsm8k, extra_sources)
+    data_run = out / "train-data"
+    backend = sets(regen__backend=regen_backend) if train_data == "regenerate" and regen_backend != "hf" else []
+    run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", 1 if backend else nproc,
+                 sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data) + backend, log)
+    # the two stages' seconds from their DONE.json (their last run's): right also when a finished folder is skipped
+    data_s = sum(json.loads((data_run / stage / "DONE.json").read_text())["seconds"] for stage in ("regen", "cache"))
+    eval_run, eval_file, eval_sources = prepare_eval_data(out, eval_per_source, gsm8k, max_new_tokens, nproc, log)
+    return data_run, eval_run, eval_file, eval_sources, sources, data_s
+
+
+def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_new_tokens: int, nproc: int,
+                      log: Path) -> tuple[Path, Path, list[str]]:
+    """The held-out prompts (MT-bench, HumanEval, + GSM8K test) with their greedy answers regenerated and cached, to
+    replay held-out tau. Returns (eval run, eval prompt file, eval source names)."""
+    eval_file = out / "eval_prompts.jsonl"
+    eval_sources = write_eval_prompts(eval_file, eval_per_source, gsm8k, seed=0)
+    eval_run = out / "eval-data"
+    answer_and_cache(eval_file, eval_run, max_new_tokens, nproc, log)
+    return eval_run, eval_file, eval_sources
+
+
+def write_eval_prompts(path: Path, per_source: int, gsm8k: Path | None, seed: int) -> list[str]:
+    from data.prompts import eval_prompts
+
+    sources = [("mtbench", None), ("humaneval", None)] + ([("gsm8k", str(gsm8k / "test.jsonl"))] if gsm8k else [])
+    rows, names = [], []
+    for name, source_path in sources:
+        for prompt in eval_prompts(name, per_source, seed, path=source_path):
+            rows.append({"id": prompt.id, "turns": [prompt.turns[0]]})
+        names.append(name)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return names
+
+
+def answer_and_cache(prompt_file: Path, run: Path, max_new_tokens: int, nproc: int, log: Path) -> None:
+    """First turns of `prompt_file` answered greedily by the target and cached, for replay (eval/replay.py)."""
+    count = len(prompt_file.read_text().splitlines())
+    run_pipeline("dspark_smollm2_135m", run, "regenerate,cache", nproc,
+                 sets(data__sources=f"[{{name: '{prompt_file}'}}]", data__num_prompts=count, data__holdout_fraction=0.0,
+                      data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
+                      regen__max_new_tokens=max_new_tokens, cache__encoding=EVAL_CACHE_ENCODING), log)
+
+
+def prepare_in_distribution_data(out: Path, sources: str, count: int, max_new_tokens: int, nproc: int, log: Path,
+                                 overrides: list[str] = ()) -> Path:
+    """Prompts of the training sources that training never saw (their holdout split under the recipe's
+    data.holdout_fraction and seed), answered and cached like the held-out prompts: the same drafter replayed on them,
+    on the held-out sources and on its training records splits its gap into domain shift and memorisation."""
+    import yaml
+
+    from core.recipe import load_recipe
+    from data.prompts import load_prompts
+
+    recipe = load_recipe("dspark_smollm2_135m", list(overrides))
+    prompt_file = out / "in_distribution_prompts.jsonl"
+    prompts = load_prompts(yaml.safe_load(sources), count, recipe.data.holdout_fraction, recipe.seed, split="holdout")
+    prompt_file.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in prompts))
+    run = out / "in-distribution-data"
+    answer_and_cache(prompt_file, run, max_new_tokens, nproc, log)
+    return run
+
+
+def open_eval_cache(recipe_name: str, eval_run: Path):
+    """The held-out prompts' cache (prepare_eval_data), read with `recipe_name`'s layers."""
+    from core.recipe import load_recipe
+    from data.capture import open_cache
+    from modeling.target import load_tokenizer, target_hidden_size
+
+    recipe = load_recipe(recipe_name, [f"cache.encoding={EVAL_CACHE_ENCODING}"])
+    return open_cache(recipe, eval_run / "cache", target_hidden_size(recipe.target.name_or_path),
+                      load_tokenizer(recipe.target.name_or_path))
+
+
+def eval_records(eval_run: Path) -> list[dict]:
+    """{"id", "source"} of each record of the held-out cache (prepare_eval_data), in the cache's order, which is the
+    order of every replay's per-record tallies: the cache stores the regenerated conversations in record order, less
+    those without a supervised token (data/capture.py training_rows, read here with the run's own recipe)."""
+    from core.recipe import load_recipe
+    from data.capture import training_rows
+    from eval.compare import record_source
+    from modeling.target import load_tokenizer
+
+    recipe = load_recipe(str(eval_run / "recipe.yaml"))
+    rows, _ = training_rows(recipe, eval_run / "regen", load_tokenizer(recipe.target.name_or_path))
+    return [{"id": row["id"], "source": record_source(row["id"])} for row in rows]
+
+
+def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id) -> list[dict]:
+    """Replayed held-out tau of every checkpoint, against the training minutes spent to reach it, with the tallies
+    behind it and behind the per-round oracle chooser between the checkpoint and prompt lookup (`oracle`,
+    eval/replay.py): the paired intervals and per-source tables of eval/compare.py read them."""
+    from eval.replay import replay_records
+    from modeling.registry import load_draft_model
+
+    rows = [json.loads(line) for line in (family_run / "train" / "metrics.jsonl").read_text().splitlines()]
+    elapsed, minutes = 0.0, {}
+    for row in rows:
+        elapsed += row["step_s"]
+        minutes[row["step"]] = elapsed / 60
+    records = [eval_cache[i] for i in range(len(eval_cache))]
+    points = []
+    for ckpt in sorted((family_run / "train" / "checkpoints").glob("step-*")):
+        step = int(ckpt.name.split("-")[1])
+        model = load_draft_model(ckpt / "draft").float()
+        replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
+        copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
+                                          "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds",
+                                          "oracle")}
+        points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"], **copying})
+        print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}; first "
+              f"draft right at {copying['first_draft_right_at_lookup_hits']:.3f} of the positions prompt lookup gets "
+              f"right ({copying['lookup_hit_share']:.0%} of them), {copying['first_draft_right_elsewhere']:.3f} "
+              "elsewhere", flush=True)
+    return points
+
+
+def ngram_replay(eval_cache, max_new_tokens: int, eos_token_id) -> dict:
+    """Prompt lookup (the n-gram drafter) replayed on the held-out records: its tau, and the tokens and rounds per
+    prompt that pair it with a draft's in paired_ratio."""
+    from eval.replay import replay_records
+    from eval.spec_decode import NgramDrafter
+
+    replay = replay_records(NgramDrafter(), [eval_cache[i] for i in range(len(eval_cache))], 7, max_new_tokens,
+                            eos_token_id)
+    return {"replayed_tau": replay["accept_len"], "per_record_tokens": replay["per_record_tokens"],
+            "per_record_rounds": replay["per_record_rounds"]}
+
+
+def generalization(final: Path, caches: dict, count: int, gamma: int, max_new_tokens: int, eos_token_id) -> dict:
+    """Replayed tau of the final draft on the first `count` records of each cache (name -> cache)."""
+    from eval.replay import replay_records
+    from modeling.registry import load_draft_model
+
+    model = load_draft_model(final).float()
+    return {name: replay_records(model, [cache[i] for i in range(min(count, len(cache)))], gamma, max_new_tokens,
+                                 eos_token_id)["accept_len"] for name, cache in caches.items()}

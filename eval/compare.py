@@ -1,0 +1,108 @@
+"""Two drafters on the same prompts: the ratio of their taus with a paired 90% bootstrap interval, overall, per prompt
+source and for a copy-heavy / rest split. One home for eval/run.py's report (the draft against the n-gram drafter in
+the real loop) and the benchmarks' (benchmarks/quality.py: replayed drafts against replayed prompt lookup).
+
+A tally is one drafter's {"per_record_tokens": [...], "per_record_rounds": [...]}, record by record in the same order
+for every drafter compared: the tokens its rounds gave (accepted drafts + 1 each) and its rounds, so that tau over any
+subset of the records is a sum over a sum, and a resample of the records gives both drafters' taus on the same
+prompts. A curve point of quality.py is a tally with its `replayed_tau`.
+
+    rows = source_rows(draft, ngram, [record_source(i) for i in ids], oracle=chooser)  # -> source_table(rows)
+"""
+
+from __future__ import annotations
+
+import random
+
+from data.sources import BUILTIN_SOURCES
+
+#: a record is copy-heavy where prompt lookup's own tau on it is above this (issue 39: six of the 36 held-out
+#: prompts, 30% of lookup's accepted drafts)
+COPY_HEAVY_TAU = 2.5
+RESAMPLES = 2000
+
+
+def record_source(prompt_id: str) -> str:
+    """The prompt source an eval record came from, read from its prompt id (`f"{source}:{raw id}"`, data/sources.py).
+    A prompt file whose rows carry such ids (quality.py's eval_prompts.jsonl) prefixes its own name: the built-in
+    source inside it wins, so "eval_prompts:mtbench:81" is MT-bench's, "prompts:7" the file `prompts`'s."""
+    prefixes = prompt_id.split(":")[:-1]
+    return next((p for p in prefixes if p in BUILTIN_SOURCES), prefixes[0] if prefixes else "")
+
+
+def tally(samples: list[dict]) -> dict:
+    """The tally of eval/run.py's per-prompt samples (each with its `round_tokens` and `rounds`)."""
+    return {"per_record_tokens": [s["round_tokens"] for s in samples],
+            "per_record_rounds": [s["rounds"] for s in samples]}
+
+
+def subset_tau(point: dict, picks) -> float:
+    """tau over the records `picks` (indices, repeats allowed): their tokens over their rounds."""
+    rounds = sum(point["per_record_rounds"][i] for i in picks)
+    return sum(point["per_record_tokens"][i] for i in picks) / rounds if rounds else float("nan")
+
+
+def record_taus(point: dict) -> list[float]:
+    return [subset_tau(point, [i]) for i in range(len(point["per_record_rounds"]))]
+
+
+def paired_ratio(a: dict, b: dict, picks=None, resamples: int = RESAMPLES) -> tuple[float, float | None, float | None]:
+    """tau of `a` over tau of `b` on the records `picks` (None: all), and a 90% interval from a paired bootstrap over
+    those records (both taus recomputed on each resample of the same records): an interval that holds 1 is a
+    difference the prompts do not resolve. Points without per-record tallies (results saved before they were kept)
+    give the ratio of their `replayed_tau` and no interval."""
+    if "per_record_rounds" not in a or "per_record_rounds" not in b:
+        return a["replayed_tau"] / b["replayed_tau"], None, None
+    picks = list(range(len(a["per_record_rounds"]))) if picks is None else list(picks)
+    rng, count = random.Random(0), len(picks)
+    draws = sorted(subset_tau(a, sample) / subset_tau(b, sample) for sample in (
+        [picks[rng.randrange(count)] for _ in range(count)] for _ in range(resamples)))
+    return subset_tau(a, picks) / subset_tau(b, picks), draws[int(0.05 * resamples)], draws[int(0.95 * resamples) - 1]
+
+
+def format_ratio(value: float, low: float | None, high: float | None) -> str:
+    """paired_ratio's result as printed: the ratio, and its interval where there is one."""
+    return f"{value:.3f}" + (f" [{low:.3f}, {high:.3f}]" if low is not None else "")
+
+
+def record_groups(sources: list[str], lookup: dict) -> dict[str, list[int]]:
+    """The record indices of each source (sorted by name), of the copy-heavy records (prompt lookup's tau on the
+    record > COPY_HEAVY_TAU), of the rest, and of all."""
+    groups = {name: [i for i, s in enumerate(sources) if s == name] for name in sorted(set(sources))}
+    heavy = [tau > COPY_HEAVY_TAU for tau in record_taus(lookup)]
+    groups[f"copy-heavy (n-gram tau > {COPY_HEAVY_TAU})"] = [i for i, h in enumerate(heavy) if h]
+    groups["rest"] = [i for i, h in enumerate(heavy) if not h]
+    groups["all"] = list(range(len(sources)))
+    return groups
+
+
+def source_rows(draft: dict, ngram: dict, sources: list[str], oracle: dict | None = None) -> list[dict]:
+    """One row per record_groups group with records: the draft's and n-gram's tau there, the ratio with its paired
+    interval, how many records the draft wins (higher tau than n-gram's on the record), and the tau of a per-round
+    oracle chooser between the two (eval/replay.py) where its tally is given."""
+    if not len(sources) == len(draft["per_record_rounds"]) == len(ngram["per_record_rounds"]):
+        raise ValueError(f"{len(sources)} sources for {len(draft['per_record_rounds'])} and "
+                         f"{len(ngram['per_record_rounds'])} records: the tallies are not of the same records")
+    rows = []
+    mine, theirs = record_taus(draft), record_taus(ngram)
+    for group, picks in record_groups(sources, ngram).items():
+        if not picks:
+            continue
+        ratio, low, high = paired_ratio(draft, ngram, picks)
+        rows.append({"group": group, "records": len(picks), "tau": subset_tau(draft, picks),
+                     "ngram_tau": subset_tau(ngram, picks), "ratio": ratio, "low": low, "high": high,
+                     "wins": sum(mine[i] > theirs[i] for i in picks)}
+                    | ({"oracle_tau": subset_tau(oracle, picks)} if oracle is not None else {}))
+    return rows
+
+
+def source_table(rows: list[dict]) -> list[str]:
+    """source_rows as a markdown table (the oracle chooser's column where the rows have it)."""
+    oracle = all("oracle_tau" in r for r in rows)
+    lines = ["| prompts | n | tau | n-gram tau | tau / n-gram (90% paired bootstrap) | wins |"
+             + (" oracle chooser tau |" if oracle else ""), "|---|---|---|---|---|---|" + ("---|" if oracle else "")]
+    for r in rows:
+        lines.append(f"| {r['group']} | {r['records']} | {r['tau']:.3f} | {r['ngram_tau']:.3f} | "
+                     f"{format_ratio(r['ratio'], r['low'], r['high'])} | {r['wins']} |"
+                     + (f" {r['oracle_tau']:.3f} |" if oracle else ""))
+    return lines

@@ -1,0 +1,131 @@
+"""eval/compare.py and the oracle chooser of eval/replay.py, on records whose taus are known by hand: where each
+record comes from, the per-source and copy-heavy / rest tables against the n-gram drafter with their paired
+intervals, and the per-round choice between prompt lookup's proposal and the drafter's."""
+
+import random
+
+import pytest
+import torch
+
+from eval.compare import (COPY_HEAVY_TAU, format_ratio, paired_ratio, record_groups, record_source, source_rows,
+                          source_table, subset_tau)
+from eval.replay import accepted_prefix, lookup_matches, oracle_matches, replay_records
+from train.rollout import replay_rounds
+
+
+def test_record_source_reads_the_source_inside_a_prompt_files_ids():
+    assert record_source("mtbench:81") == "mtbench"
+    assert record_source("humaneval:HumanEval/107") == "humaneval"
+    # quality.py's eval_prompts.jsonl rows carry the benchmarks' ids; the file source prefixes its own name
+    assert record_source("eval_prompts:gsm8k:447") == "gsm8k"
+    assert record_source("eval_prompts:humaneval:HumanEval/107") == "humaneval"
+    assert record_source("prompts:7") == "prompts"  # a plain prompt file is its own source
+    assert record_source("prompts:a:b") == "prompts"  # a raw id with a colon does not make a source
+    assert record_source("7") == ""
+
+
+# Five records: draft and n-gram tallies (tokens, rounds) chosen so every tau is a round number.
+SOURCES = ["mtbench", "humaneval", "mtbench", "humaneval", "gsm8k"]
+DRAFT = {"per_record_tokens": [30, 20, 15, 40, 12], "per_record_rounds": [20, 10, 10, 20, 6]}  # 1.5 2 1.5 2 2
+NGRAM = {"per_record_tokens": [20, 30, 15, 80, 12], "per_record_rounds": [20, 10, 10, 20, 8]}  # 1 3 1.5 4 1.5
+
+
+def test_groups_split_by_source_and_by_lookups_own_tau():
+    groups = record_groups(SOURCES, NGRAM)
+    assert COPY_HEAVY_TAU == 2.5
+    assert groups == {"gsm8k": [4], "humaneval": [1, 3], "mtbench": [0, 2],
+                      "copy-heavy (n-gram tau > 2.5)": [1, 3], "rest": [0, 2, 4], "all": [0, 1, 2, 3, 4]}
+
+
+def test_source_rows_by_hand():
+    rows = {r["group"]: r for r in source_rows(DRAFT, NGRAM, SOURCES)}
+    mt, he, heavy, rest, everything = (rows[k] for k in ("mtbench", "humaneval", "copy-heavy (n-gram tau > 2.5)",
+                                                         "rest", "all"))
+    assert (mt["records"], mt["tau"], mt["ngram_tau"]) == (2, pytest.approx(45 / 30), pytest.approx(35 / 30))
+    assert mt["ratio"] == pytest.approx(45 / 35) and mt["wins"] == 1  # record 0 wins, record 2 ties
+    assert he["tau"] == pytest.approx(60 / 30) and he["ngram_tau"] == pytest.approx(110 / 30) and he["wins"] == 0
+    assert heavy["records"] == 2 and heavy["ratio"] == pytest.approx(60 / 110)
+    assert rest["tau"] == pytest.approx(57 / 36) and rest["ngram_tau"] == pytest.approx(47 / 38)
+    assert everything["tau"] == pytest.approx(117 / 66) and everything["ngram_tau"] == pytest.approx(157 / 68)
+    assert everything["wins"] == 2 and "oracle_tau" not in everything
+    # the paired interval comes from resampling the group's own records: inside it the group's ratio
+    assert mt["low"] <= mt["ratio"] <= mt["high"] and heavy["high"] < 1.0 < rest["low"]
+    assert rows["gsm8k"]["low"] == rows["gsm8k"]["high"] == pytest.approx(4 / 3)  # one record: nothing to resample
+    # the overall row's interval is the plain paired bootstrap of all records
+    assert (everything["ratio"], everything["low"], everything["high"]) == pytest.approx(paired_ratio(DRAFT, NGRAM))
+
+
+def test_whole_set_bootstrap_is_the_one_quality_py_printed():
+    """The interval over all records draws exactly the resamples the former benchmarks/quality.paired_ratio drew
+    (random.Random(0), one randrange a record a resample), so saved figures reprint unchanged."""
+    rng, count, draws = random.Random(0), 5, []
+    for _ in range(2000):
+        picks = [rng.randrange(count) for _ in range(count)]
+        draws.append(subset_tau(DRAFT, picks) / subset_tau(NGRAM, picks))
+    draws.sort()
+    assert paired_ratio(DRAFT, NGRAM)[1:] == (draws[100], draws[1899])
+
+
+def test_source_table_prints_the_oracle_column_where_there_is_one():
+    oracle = {"per_record_tokens": [40, 30, 20, 80, 14], "per_record_rounds": [20, 10, 10, 20, 6]}
+    rows = source_rows(DRAFT, NGRAM, SOURCES, oracle)
+    table = source_table(rows)
+    assert table[0].endswith("| wins | oracle chooser tau |")
+    everything = rows[-1]
+    assert everything["oracle_tau"] == pytest.approx(184 / 66)
+    assert table[-1] == (f"| all | 5 | {117 / 66:.3f} | {157 / 68:.3f} | "
+                         f"{format_ratio(everything['ratio'], everything['low'], everything['high'])} | 2 | "
+                         f"{184 / 66:.3f} |")
+    assert "oracle" not in source_table(source_rows(DRAFT, NGRAM, SOURCES))[0]
+    with pytest.raises(ValueError, match="not of the same records"):
+        source_rows(DRAFT, NGRAM, SOURCES[:4])
+
+
+def _rows(*prefixes, width=3):
+    """A match matrix from one string a position: 'TFT' -> [True, False, True]; '' -> all False."""
+    out = torch.zeros(len(prefixes), width, dtype=torch.bool)
+    for a, text in enumerate(prefixes):
+        for j, c in enumerate(text):
+            out[a, j] = c == "T"
+    return out
+
+
+def test_oracle_chooser_by_hand():
+    """gamma 3, answer positions 1..12 (first pending 0, end 13). Each round the chooser verifies the proposal with
+    the longer accepted prefix, and the round advances by it:
+      a=0: draft TFT (prefix 1, two matches), lookup TTF (2) -> lookup, 2 accepted, a=3
+      a=3: draft TTT (3), lookup FTT (0)                      -> draft, 3 accepted, a=7
+      a=7: draft FFF (0), lookup TFF (1)                      -> lookup, 1 accepted, a=9
+      a=9: both TTF (2)                                        -> 2 accepted, a=12: done
+    rounds 2 / 3 / 1 / 2: tau (3 + 4 + 2 + 3) / 4 = 3.0, against the draft's 2.0 and lookup's 12 / 7 alone."""
+    draft = _rows("TFT", "", "", "TTT", "", "", "", "FFF", "", "TTF", "", "", "")
+    lookup = _rows("TTF", "", "", "FTT", "", "", "", "TFF", "", "TTF", "", "", "")
+    assert accepted_prefix(draft).tolist()[:4] == [1, 0, 0, 3]  # the leading run, not the count of matches
+    chosen = replay_rounds(oracle_matches(draft, lookup), 0, 13, 3)
+    assert [(r.pending, r.accepted) for r in chosen] == [(0, 2), (3, 3), (7, 1), (9, 2)]
+    tau = lambda rounds: sum(r.accepted + 1 for r in rounds) / len(rounds)  # noqa: E731
+    assert tau(chosen) == 3.0
+    assert tau(replay_rounds(draft, 0, 13, 3)) == 2.0
+    assert tau(replay_rounds(lookup, 0, 13, 3)) == pytest.approx(12 / 7)
+
+
+def test_replay_records_reports_the_oracle_chooser(monkeypatch):
+    """replay_records pairs the drafter's matches with prompt lookup's on the same record: a drafter that never
+    matches leaves the chooser lookup's rounds, one that always matches its own; prompt lookup itself has none."""
+    import eval.replay as replay
+    from eval.spec_decode import NgramDrafter
+
+    ids = torch.tensor([5, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3, 9, 1, 2])
+    record = {"input_ids": ids, "loss_mask": torch.tensor([0] * 4 + [1] * 10)}
+    lookup = replay_records(NgramDrafter(), [record], 3)
+    assert "oracle" not in lookup and lookup["accept_len"] > 1.0
+    assert lookup_matches(ids.tolist(), 3)[3:].any()  # lookup has something to offer here
+    for fill, expected in ((False, lookup), (True, None)):
+        monkeypatch.setattr(replay, "draft_matches", lambda model, rec, gamma: torch.full((len(ids), gamma), fill))
+        report = replay_records(None, [record], 3)
+        oracle = report["oracle"]
+        expected = expected or report
+        assert oracle["per_record_tokens"] == expected["per_record_tokens"]
+        assert oracle["per_record_rounds"] == expected["per_record_rounds"]
+        assert oracle["replayed_tau"] == pytest.approx(expected["accept_len"])
+        assert oracle["replayed_tau"] >= max(report["accept_len"], lookup["accept_len"])
