@@ -14,11 +14,13 @@ for DFLASH/DSPARK. Exit code 1 when the two taus differ by more than --tolerance
 """
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from core.io import LockedError, lock_for_process  # noqa: E402
 from core.malloc import keep_freed_memory  # noqa: E402
 from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
 from data.sources import source_problem  # noqa: E402
@@ -47,6 +49,15 @@ def _live(args) -> int:
     print_live_summary(report)
     print(f"[live] report: {Path(args.out) / 'report.md'}")
     return 0 if report["within_tolerance"] else 1
+
+
+def default_out(draft: str, dataset: str) -> Path:
+    """runs/eval/<draft>_<dataset>, each named by its path with anything but letters, digits, '.', '_' and '-' as
+    '-' (runs/demo/train/final on mtbench: runs/eval/runs-demo-train-final_mtbench)."""
+    def slug(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "x"
+
+    return Path("runs") / "eval" / f"{slug(draft)}_{slug(Path(dataset).name)}"
 
 
 def argument_problems(args) -> list[str]:
@@ -94,7 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
     parser.add_argument("--system-prompt", help="system prompt (default: the chat template's own, as in training)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/eval", help="report folder (default runs/eval)")
+    parser.add_argument("--out", help="report folder (default runs/eval/<draft>_<dataset>: one folder per draft and "
+                                      "prompt set, so evals of different drafts never share one)")
     parser.add_argument("--no-scheduler", action="store_true", help="skip the SPS profile and scheduler simulation")
     parser.add_argument("--schedule", choices=SCHEDULES, default="fixed",
                         help="fixed: verify every draft, gamma a round (default); confidence: verify only the drafts "
@@ -130,6 +142,12 @@ def main(argv=None) -> int:
     problems = argument_problems(args)
     if problems:
         parser.error("\n  ".join(problems))  # usage, the problems, exit code 2: before anything is loaded or written
+    args.out = args.out or str(default_out(args.draft, args.dataset_path or args.dataset))
+    try:  # two evals writing one folder would mix their reports
+        lock_for_process(Path(args.out) / ".draftsmith.lock", f"--out {args.out}")
+    except LockedError as exc:
+        print(f"[eval] refused: {exc}", file=sys.stderr)
+        return 2
     keep_freed_memory()  # torch's CPU tensors come from malloc (core/malloc.py)
     if args.live:
         return _live(args)

@@ -24,9 +24,9 @@ from pathlib import Path
 import yaml
 
 from core import stage
-from core.io import LockedError, atomic_write_text, lock_for_process, remove_stale_temps
+from core.io import LockedError, atomic_write_bytes, atomic_write_text, lock_for_process, remove_own_temps
 from core.malloc import keep_freed_memory
-from core.recipe import RecipeError, list_recipes, load_recipe, recipe_to_dict
+from core.recipe import RecipeError, list_recipes, load_recipe, shareable_recipe_dict
 from core.server import engine_python_problem
 from data.sources import source_problem
 
@@ -34,6 +34,8 @@ from data.sources import source_problem
 # needed, so that --help, --list-recipes and a bad recipe, stage or input answer within a second.
 
 STAGES = ("regenerate", "cache", "train", "opd", "eval", "export")
+STAGE_DIRS = ("regen", "cache", "train", "opd", "eval", "export")  # each stage's folder under --out
+RECIPE_NAME = "recipe.yaml"  # the recipe a run last started with, written beside the stage folders
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,8 +70,9 @@ def main(argv=None) -> int:
         return 2
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
-    if unknown:
-        print(f"error: unknown stage(s) {unknown}; stages are {', '.join(STAGES)}", file=sys.stderr)
+    if unknown or not stages:
+        print(f"error: {f'unknown stage(s) {unknown}' if unknown else '--stages names no stage'}; stages are "
+              f"{', '.join(STAGES)}", file=sys.stderr)
         return 2
     out = Path(args.out or Path("runs") / recipe.name)
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
@@ -87,16 +90,20 @@ def main(argv=None) -> int:
         except LockedError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        stale = remove_stale_temps(out)  # the lock is ours: no other writer's temporaries are in there
+        # the lock is ours: no other writer's temporaries are in there; the user's files are never touched
+        ours = [out / d for d in STAGE_DIRS if (out / d / stage.SETTINGS_NAME).is_file()]  # each stage pins first
+        stale = remove_own_temps(out, ours, [RECIPE_NAME])
         if stale:
             print(f"[draftsmith] removed {len(stale)} temporary file(s) an interrupted run left in {out}", flush=True)
     from core.dist import close_dist, init_dist
     from data.cache import CacheMismatchError
 
     dist = init_dist()
+    recipe_file = out / RECIPE_NAME
+    previous = recipe_file.read_bytes() if dist.is_main and recipe_file.is_file() else None
     try:
         if dist.is_main:
-            atomic_write_text(out / "recipe.yaml", yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+            atomic_write_text(recipe_file, yaml.safe_dump(shareable_recipe_dict(recipe), sort_keys=False))
         dist.print(f"[draftsmith] recipe {recipe.name} ({recipe.family}), target {recipe.target.name_or_path}, "
                    f"stages {','.join(stages)}, out {out}, {dist.world_size} rank(s) on {dist.device.type}")
         run_stages(recipe, stages, out, dist)
@@ -104,6 +111,11 @@ def main(argv=None) -> int:
         # a folder made with other settings: the user's input, not a bug, so its message alone (once, not a
         # traceback from every rank)
         if dist.is_main:
+            # a refused run did not start: the folder's recipe.yaml stays the one its stages were made with
+            if previous is None:
+                recipe_file.unlink(missing_ok=True)
+            else:
+                atomic_write_bytes(recipe_file, previous)
             print(f"error: {exc}", file=sys.stderr)
         return 2
     finally:
@@ -128,12 +140,37 @@ def final_draft(recipe, out: Path) -> Path:
     return out / ("opd" if recipe.opd.rounds > 0 else "train") / "final"
 
 
+def missing_inputs(recipe, stages: list[str], out: Path) -> list[str]:
+    """--out itself, and each stage's input: another stage's finished output, or that stage among --stages (it used
+    to fail with a traceback, 'No such file or directory: .../train/final/config.json')."""
+    if out.exists() and not out.is_dir():
+        return [f"--out {out} is a file, not a folder: give a folder (it is created when missing)"]
+    online = recipe.train.hidden_states == "online"
+    opd = recipe.opd.rounds > 0
+    # input: (its folder, whether it is there, the stage that makes it, whether that stage is among --stages)
+    inputs = {"regen": (out / "regen", stage.is_done(out / "regen"), "regenerate"),
+              "cache": (out / "cache", online or stage.is_done(out / "cache"), "cache"),
+              "train": (out / "train" / "final", stage.is_done(out / "train"), "train"),
+              "final": (final_draft(recipe, out), stage.is_done(final_draft(recipe, out).parent), "opd" if opd
+                        else "train")}
+    needs = {"cache": ["regen"], "train": ["regen" if online else "cache"],
+             "opd": ["regen" if online else "cache", "train"] if opd else [], "eval": ["final"], "export": ["final"]}
+    problems = []
+    for name in stages:
+        for need in needs.get(name, []):
+            folder, there, maker = inputs[need]
+            if not there and maker not in stages[: stages.index(name)]:
+                problems.append(f"--stages {name} reads {folder}, which no finished {maker} stage wrote: run "
+                                f"{maker} first (e.g. --stages {maker},{name}), or point --out at the run that has it")
+    return problems
+
+
 def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[str]:
     """What the recipe schema cannot see and a stage would find only hours later (an eval set named wrong is found
     after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
-    from modeling.target import target_shape
+    from modeling.target import target_path_problem, target_shape
 
-    problems = []
+    problems = missing_inputs(recipe, stages, out)
 
     def source(key: str, name: str, path: str | None) -> None:
         problem = source_problem(name, path)
@@ -150,8 +187,13 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
                                         "regen.engine_python (or $DRAFTSMITH_VLLM_PYTHON) to a python with vllm")
         if problem:
             problems.append(f"regen.backend vllm: {problem}")
+    missing_target = target_path_problem(recipe.target.name_or_path)
+    if missing_target:
+        return problems + [f"target.name_or_path: {missing_target}"]  # nothing below can read its config
     shape = target_shape(recipe.target.name_or_path) if {"regenerate", "cache", "train"} & set(stages) else None
     layers, vocab = (shape or {}).get("num_layers"), (shape or {}).get("vocab_size")
+    if "train" in stages and (shape or {}).get("hidden_size"):
+        problems += block_memory_problem(recipe, shape["hidden_size"])
     bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]
     if bad:
         problems.append(f"target.layer_ids {recipe.target.layer_ids}: {bad} out of range for "
@@ -168,6 +210,24 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
         problems.append(f"train.global_batch_size={recipe.train.global_batch_size} must be a multiple of "
                         f"train.micro_batch_size × ranks = {recipe.train.micro_batch_size} × {world_size}")
     return problems
+
+
+def block_memory_problem(recipe, hidden_size: int) -> list[str]:
+    """A block drafter's micro-batch holds micro_batch_size x num_anchors x block_size draft tokens, and each draft
+    layer keeps at least one fp32 hidden state per token for the backward: refuse, before regeneration, a block size
+    whose lower bound alone exceeds this machine's memory (it used to run out of memory after regenerate and cache)."""
+    if recipe.family == "eagle3":
+        return []
+    draft = recipe.draft
+    tokens = recipe.train.micro_batch_size * draft.num_anchors * draft.block_size
+    need = tokens * hidden_size * 4 * draft.num_layers
+    have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need <= have:
+        return []
+    return [f"draft.block_size {draft.block_size}: train.micro_batch_size {recipe.train.micro_batch_size} x "
+            f"draft.num_anchors {draft.num_anchors} x block_size puts {tokens:,} draft tokens in one micro-batch, "
+            f"at least {need / 2**30:,.1f} GiB of activations ({draft.num_layers} layer(s) x width {hidden_size} x 4 "
+            f"bytes a token), more than this machine's {have / 2**30:,.1f} GiB: block drafters use 7-16"]
 
 
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:

@@ -144,6 +144,11 @@ def close_dist() -> None:
 
 
 def fault_point(name: str, index: int) -> None:
-    """Crash-test hook: DRAFTSMITH_KILL_AT=name:index makes this process SIGKILL itself here (tests of resume)."""
+    """Crash-test hook: DRAFTSMITH_KILL_AT=name:index makes this process SIGKILL itself here (tests of resume);
+    with DRAFTSMITH_KILL_RANK=r only rank r does (one node of a multi-rank job dies, the others are stopped by
+    torchrun)."""
+    only = os.environ.get("DRAFTSMITH_KILL_RANK")
+    if only is not None and only != os.environ.get("RANK", "0"):
+        return
     if os.environ.get("DRAFTSMITH_KILL_AT") == f"{name}:{index}":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -11,18 +11,42 @@ fsynced too (a rename is only durable once the directory itself reaches the disk
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
-FILE_MODE = 0o644  # mkstemp makes files 0600; a serving engine may read them as another user
+def umask() -> int:
+    """The process's umask, read without setting it (os.umask would open a window in which another thread's files
+    get mode 0666)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # no /proc (not Linux): the portable way
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode open() would give a new file: mkstemp makes 0600, which a serving engine running as another user
+    cannot read; the user's umask still decides who else may."""
+    return 0o666 & ~umask()
+
+
+def dir_mode() -> int:
+    return 0o777 & ~umask()
 
 
 def fsync_dir(path) -> None:
@@ -60,7 +84,7 @@ def atomic_write_bytes(path, data: bytes, *, tmp_path=None) -> None:
         with handle:
             handle.write(data)
             sync_file(handle)
-        os.chmod(tmp, FILE_MODE)
+        os.chmod(tmp, file_mode())
         replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -90,6 +114,17 @@ def read_json(path, validate: Callable | None = None):
         raise ValueError(f"{path}: {err}") from err
 
 
+def share_as_umask_allows(root) -> None:
+    """Give `root`, and every folder and file under it, the mode open() and mkdir would have given them: mkdtemp makes
+    0700 and some writers (mkstemp, safetensors) 0600, which a server running as another user cannot read."""
+    os.chmod(root, dir_mode())
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), dir_mode())
+        for name in files:
+            os.chmod(os.path.join(folder, name), file_mode())
+
+
 def sync_tree(root) -> None:
     """fsync every file and folder under `root` (before a pointer to it is published)."""
     for folder, _, files in os.walk(root):
@@ -117,7 +152,7 @@ def publish_dir(dst, *, if_exists: str = "replace") -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        share_as_umask_allows(tmp)
         sync_tree(tmp)
         if dst.exists() and if_exists == "replace":
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
@@ -137,26 +172,51 @@ def publish_dir(dst, *, if_exists: str = "replace") -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+# The temporary names this module's writers make, and nothing else: mkstemp and mkdtemp append 8 characters from
+# [a-z0-9_]. A user's `.bashrc.old-2023` or `.latex.old-backup/` does not match and is never removed.
+_TEMP_FILE = re.compile(r"^\.(?P<dst>.+)\.[a-z0-9_]{8}\.tmp$")          # atomic_write_bytes
+_TEMP_DIR = re.compile(r"^\.(?P<dst>.+)\.(?:tmp|old)-[a-z0-9_]{8}$")   # publish_dir
+
+
+def temporary_destination(name: str) -> str | None:
+    """The destination whose temporary `name` is, when it is one of the names this module's writers make
+    (publish_dir's `.<dst>.tmp-XXXXXXXX` and `.<dst>.old-XXXXXXXX`, atomic_write_bytes' `.<dst>.XXXXXXXX.tmp`);
+    None for any other name."""
+    match = _TEMP_FILE.match(name) or _TEMP_DIR.match(name)
+    return match.group("dst") if match else None
+
+
 def is_temporary(name: str) -> bool:
-    """Whether `name` is one of the temporary names this module writes beside a destination: publish_dir's
-    `.<name>.tmp-*` and `.<name>.old-*` folders, atomic_write_bytes' `.<name>.*.tmp` files."""
-    return name.startswith(".") and (".tmp-" in name or ".old-" in name or name.endswith(".tmp"))
+    return temporary_destination(name) is not None
 
 
-def remove_stale_temps(root) -> list[Path]:
-    """Delete the temporary files and folders a killed process left anywhere under `root`; returns what went.
-    Only for a folder whose lock this process holds (lock_for_process): another live writer's temporaries would
-    go too."""
-    removed = []
-    for folder, dirs, files in os.walk(root):
-        for name in [d for d in dirs if is_temporary(d)]:
-            dirs.remove(name)  # not walked into: it is going
-            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
-            removed.append(Path(folder) / name)
-        for name in files:
-            if is_temporary(name):
-                Path(folder, name).unlink(missing_ok=True)
-                removed.append(Path(folder) / name)
+def remove_own_temps(root, stage_dirs, root_names=()) -> list[Path]:
+    """Delete the temporaries a killed run left, and only those: names this module's writers make, anywhere inside
+    `stage_dirs` (folders the project made itself) and, directly in `root`, only those whose destination is one of
+    `root_names`. Whatever else `root` holds is the user's and is never touched, however its name looks. Returns
+    what went. Only for a folder whose lock this process holds (lock_for_process): another live writer's
+    temporaries would go too."""
+    root, removed = Path(root), []
+
+    def remove(path: Path) -> None:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+
+    if root.is_dir():
+        for path in root.iterdir():
+            if temporary_destination(path.name) in root_names:
+                remove(path)
+    for stage_dir in stage_dirs:
+        for folder, dirs, files in os.walk(stage_dir):
+            for name in [d for d in dirs if is_temporary(d)]:
+                dirs.remove(name)  # not walked into: it is going
+                remove(Path(folder, name))
+            for name in files:
+                if is_temporary(name):
+                    remove(Path(folder, name))
     return removed
 
 
@@ -171,13 +231,28 @@ def sha256_file(path, chunk: int = 16 << 20) -> str:
 def write_failure(path, err: BaseException) -> OSError:
     """The error to raise when writing `path` failed: which file, why, and the room left on its filesystem (torch's
     writer reports a full disk as an 'iostream error', Python's names no file)."""
-    folder = Path(path).parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    free = shutil.disk_usage(folder).free
+    free = shutil.disk_usage(_existing(Path(path).parent)).free
     return OSError(f"could not write {path}: {err} ({free / 2**30:.2f} GiB free on its filesystem; a full disk or a "
                    f"file-size limit stops writes). Nothing half-written was published: make room and rerun, the run "
                    f"resumes where it stopped")
+
+
+def _existing(folder: Path) -> Path:
+    """`folder` or its nearest existing parent (the filesystem it will be on)."""
+    folder = Path(folder)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return folder
+
+
+def require_free_space(folder, need: int, what: str, advice: str = "") -> None:
+    """Refuse to start writing `need` bytes of `what` into `folder` when its filesystem has less free: an OSError
+    with both numbers, before hours of work fill the disk halfway."""
+    free = shutil.disk_usage(_existing(folder)).free
+    if need > free:
+        raise OSError(f"not enough free space for {what} in {folder}: it needs about {need / 2**30:,.2f} GiB "
+                      f"({need:,} bytes) and its filesystem has {free / 2**30:,.2f} GiB ({free:,} bytes) free. "
+                      f"Make room or point --out at a larger disk{advice}")
 
 
 CHECKSUMS_NAME = "checksums.json"
@@ -209,7 +284,7 @@ class LockedError(RuntimeError):
     """Another live process holds the lock: two runs on one output folder would corrupt each other."""
 
 
-_HELD: dict[str, int] = {}  # lock path -> open fd, kept for the life of the process
+_HELD: dict[str, int] = {}  # lock path -> open fd, kept for the life of the process (-1: a pid file holds it)
 
 
 def lock_for_process(lock_path, what: str) -> None:
@@ -222,7 +297,7 @@ def lock_for_process(lock_path, what: str) -> None:
     if key in _HELD:
         return
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)  # open() applies the umask itself
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -230,6 +305,49 @@ def lock_for_process(lock_path, what: str) -> None:
         os.close(fd)
         raise LockedError(f"{what} is in use by another run ({holder}, lock file {lock_path}): wait for it to "
                           f"finish or stop it, or use another output folder") from None
+    except OSError as err:  # no flock on this file system (some Lustre and NFS mounts): ENOLCK, EOPNOTSUPP
+        os.close(fd)
+        _lock_by_pid_file(lock_path, what, err)
+        _HELD[key] = -1
+        return
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     _HELD[key] = fd
+
+
+def _lock_by_pid_file(lock_path: Path, what: str, why: OSError) -> None:
+    """The lock where flock is missing: `<lock>.pid`, created exclusively, holding `pid N on HOST`, removed at exit.
+    A holder on this host that is no longer alive is stale and replaced; one on another host cannot be checked from
+    here, so it is refused until someone deletes the file (the message says so)."""
+    pid_file = lock_path.with_name(lock_path.name + ".pid")
+    me = f"pid {os.getpid()} on {socket.gethostname()}"
+    for _ in range(2):
+        try:
+            fd = os.open(pid_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            holder = pid_file.read_text(errors="replace").strip()
+            pid, _, host = holder.removeprefix("pid ").partition(" on ")
+            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                pid_file.unlink(missing_ok=True)  # its run died without removing it
+                continue
+            raise LockedError(f"{what} is in use by another run ({holder}, lock file {pid_file}; this file system "
+                              f"has no flock, so a run on another host cannot be checked from here): wait for it "
+                              f"to finish, or delete {pid_file} if that run is gone") from None
+        with os.fdopen(fd, "w") as handle:
+            handle.write(me + "\n")
+        atexit.register(lambda: pid_file.unlink(missing_ok=True))
+        print(f"[draftsmith] {lock_path.parent} has no flock ({why.strerror or why}): locked with {pid_file} "
+              f"instead; two runs on one host are still refused, runs on two hosts only while the file exists",
+              flush=True)
+        return
+    raise LockedError(f"could not take {pid_file}: it reappeared while a stale one was removed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True

@@ -24,6 +24,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from core.redact import redact_url
+
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 #: the drafter families a recipe trains; modeling/registry.py maps each to its model class.
 FAMILIES = ("dspark", "dflash", "eagle3")
@@ -93,6 +95,10 @@ class RegenConfig:
     #: tries per request (openai backend): HTTP 429, 5xx, refused connections and timeouts are tried again after a
     #: backoff (a Retry-After header is honoured, up to 30 s); what still fails is asked again by the next run.
     request_attempts: int = 3
+    #: servers (openai, vllm backends): no request finished for this long stops the stage with an error naming the
+    #: servers (one that accepts connections but never answers would otherwise cost request_timeout_s x
+    #: request_attempts per request, hours over a dataset); the chunks in flight are not marked done, a rerun does them.
+    stall_timeout_s: float = 1800.0
     #: hf backend: each = on a CPU, every prompt's prefill runs alone (a padded batch costs batch x its longest
     #: prompt; the same greedy answers); padded = generate's own prefill of the left-padded batch (always on a GPU).
     prefill: Literal["each", "padded"] = "each"
@@ -108,8 +114,8 @@ class CacheConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     #: how hidden states are stored: fp8 (e4m3 with a power-of-two scale per token and layer: H + 1 bytes a row,
     #: 0.501x bf16's 2H; read back in `dtype`) | raw (the dtype's bytes). fp8 matched raw's held-out tau at equal steps
-    #: for each family, within 0.6% (README, "The hidden-state cache"); online runs round through it too, so that they
-    #: train on what an offline run reads. See data/cache.py.
+    #: for each family, within 0.6% (benchmarks/README.md, "Hidden-state cache encoding"); online runs round through it
+    #: too, so that they train on what an offline run reads. See data/cache.py.
     encoding: Literal["raw", "fp8"] = "fp8"
     #: conversations per target forward.
     batch_size: int = 8
@@ -271,6 +277,11 @@ class Recipe:
 # --- loading ------------------------------------------------------------------------------------------------------
 
 
+def is_plain_name(name: str) -> bool:
+    """A run name: one folder under runs/, never a path out of it (`../x`, `/abs`, `.`)."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
 class RecipeError(ValueError):
     """A recipe (or a --set override) does not match the schema; the message lists every problem."""
 
@@ -301,6 +312,14 @@ def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
 
 def recipe_to_dict(recipe: Recipe) -> dict:
     return dataclasses.asdict(recipe)
+
+
+def shareable_recipe_dict(recipe: Recipe) -> dict:
+    """recipe_to_dict with the server URLs' credentials and query strings redacted: what is written to a run's
+    recipe.yaml and to the experiment trackers (a token in http://user:token@host must not travel with them)."""
+    shared = recipe_to_dict(recipe)
+    shared["regen"]["server_urls"] = [redact_url(url) for url in recipe.regen.server_urls]
+    return shared
 
 
 def _read_with_bases(path: Path, seen: tuple) -> dict:
@@ -448,6 +467,7 @@ def _check_values(recipe: Recipe) -> None:
         "regen.max_concurrency": recipe.regen.max_concurrency,
         "regen.request_timeout_s": recipe.regen.request_timeout_s,
         "regen.request_attempts": recipe.regen.request_attempts,
+        "regen.stall_timeout_s": recipe.regen.stall_timeout_s,
         "regen.server_startup_s": recipe.regen.server_startup_s,
         "draft.num_anchors": recipe.draft.num_anchors,
         "draft.ttt_length": recipe.draft.ttt_length,
@@ -502,6 +522,11 @@ def _check_values(recipe: Recipe) -> None:
     non_negative = {"draft.markov_rank": recipe.draft.markov_rank,
                     "train.keep_checkpoints": recipe.train.keep_checkpoints}
     problems += [f"{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
+    if not is_plain_name(recipe.name):
+        problems.append(f"name {recipe.name!r} must be a plain name (no '/', not '.' or '..'): it names the run's "
+                        f"folder runs/<name> and must stay inside runs/; use --out to write elsewhere")
+    if not 0 <= recipe.seed < 2**32:
+        problems.append(f"seed must be in [0, 2**32) (numpy's and the samplers' range), got {recipe.seed}")
     if recipe.train.zero_stage not in (0, 1, 2):
         # ZeRO-3 frees each parameter after the forward; the chunked loss recomputes the logits with the
         # lm_head in the backward and finds it empty. A drafter's weights and Adam state fit ZeRO-2.

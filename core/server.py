@@ -27,6 +27,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from core.redact import SECRET_WORDS, redact_args
 from core.server_procs import TAG_VAR, kill_tagged, port_held_by, tagged_processes
 
 LOG_TAIL_LINES = 40
@@ -83,13 +84,10 @@ def free_port() -> int:
 # The server process
 
 
-# Secret-like names. Environment variables: anywhere in the name (PGPASSWORD; dropping a harmless one costs little).
-# Flags: as a whole word (--api-key, --hf-token; not --max-num-batched-tokens, --tokenizer: kept, to reproduce the run).
-SECRET_WORDS = "key|token|secret|password|passwd|credentials?"
+# Secret-like environment variable names: the secret words anywhere in the name (PGPASSWORD; dropping a harmless one
+# costs little). Flags are matched as whole words (core/redact.py).
 SECRET_ENV_NAME = re.compile(SECRET_WORDS, re.IGNORECASE)
-SECRET_FLAG = re.compile(rf"(?<![a-z])(?:{SECRET_WORDS})(?![a-z])", re.IGNORECASE)
 ENGINE_SECRETS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")  # the engine fetches gated target weights with these
-REDACTED = "<redacted>"
 
 
 def engine_environment(parent: dict[str, str], explicit: dict[str, str] | None = None) -> dict[str, str]:
@@ -97,22 +95,6 @@ def engine_environment(parent: dict[str, str], explicit: dict[str, str] | None =
     credentials; ENGINE_SECRETS kept), plus `explicit`, our own settings, kept whatever their names."""
     passed = {k: v for k, v in parent.items() if k in ENGINE_SECRETS or not SECRET_ENV_NAME.search(k)}
     return {**passed, **(explicit or {})}
-
-
-def redact_args(argv: list[str] | tuple[str, ...]) -> list[str]:
-    """`argv` with the value of every secret-named flag replaced by REDACTED, in both `--api-key VALUE` and
-    `--api-key=VALUE` forms; a following `--flag` is not a value (vLLM's --hf-token may stand alone)."""
-    shown, hide_next = [], False
-    for arg in argv:
-        if hide_next and not arg.startswith("--"):
-            shown.append(REDACTED)
-            hide_next = False
-            continue
-        flag, has_value, _ = arg.partition("=")
-        secret = arg.startswith("-") and SECRET_FLAG.search(flag.lstrip("-")) is not None
-        hide_next = secret and not has_value
-        shown.append(f"{flag}={REDACTED}" if secret and has_value else arg)
-    return shown
 
 
 PR_SET_PDEATHSIG = 1

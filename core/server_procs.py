@@ -93,6 +93,20 @@ def port_held_by(port: int, pids: list[int]) -> bool:
     return bool(listening) and listening <= held_sockets(pids)
 
 
+def visible_gpu(index: int, environ: dict[str, str] | None = None) -> str:
+    """The CUDA_VISIBLE_DEVICES value that puts a server process on the GPU this process calls `cuda:{index}`: the
+    index-th entry of the CUDA_VISIBLE_DEVICES it was given (a scheduler that restricted the node's GPUs to, say,
+    `4,5,6,7` means cuda:1 is GPU 5, not GPU 1), or the index itself when the variable is unset."""
+    environ = os.environ if environ is None else environ
+    if "CUDA_VISIBLE_DEVICES" not in environ:
+        return str(index)
+    visible = [entry.strip() for entry in environ["CUDA_VISIBLE_DEVICES"].split(",") if entry.strip()]
+    if not 0 <= index < len(visible):
+        raise ValueError(f"cuda:{index} is not among the GPUs CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r} "
+                         f"makes visible ({len(visible)}): one rank per visible GPU")
+    return visible[index]
+
+
 def watch(tag: str) -> None:
     """Wait for stdin to close (the eval stopped the server, or died), then kill whatever still carries `tag`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the eval's to handle; its stop() closes our stdin

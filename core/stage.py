@@ -6,7 +6,9 @@ Each stage writes into its own folder under the run's --out:
     if done is not None:
         return done                                               # complete: skip, return its DONE.json
     ...                                                           # the work (itself resumable)
-    stage.mark_done(folder, stats)                                # DONE.json, written last
+    stage.mark_done(folder, stats, outputs=["records.jsonl"])     # DONE.json, written last, with each output's
+                                                                  # size and sha256
+    stage.verify_outputs(folder)                                  # a later stage, before it reads them
 
 `settings` are the recipe values (and input digests) the folder's content depends on. A later run into the same
 folder with other settings is refused, naming the keys, because resuming or skipping would silently mix two
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.io import atomic_write_json, read_json
+from core.io import atomic_write_json, read_json, sha256_file
 
 SETTINGS_NAME = "settings.json"
 DONE_NAME = "DONE.json"
@@ -27,6 +29,10 @@ DONE_NAME = "DONE.json"
 
 class StageMismatchError(RuntimeError):
     pass
+
+
+class DamagedOutputError(StageMismatchError):
+    """A finished stage's output differs from what the stage recorded when it finished (cut, edited, removed)."""
 
 
 def _flatten(obj, prefix="") -> dict:
@@ -94,8 +100,35 @@ def is_done(stage_dir: Path) -> bool:
     return (Path(stage_dir) / DONE_NAME).is_file()
 
 
-def mark_done(stage_dir: Path, stats: dict) -> None:
-    atomic_write_json(Path(stage_dir) / DONE_NAME, stats)
+OUTPUTS_KEY = "outputs"  # DONE.json: {file name: {"bytes": n, "sha256": hex}} of what later stages read
+
+
+def mark_done(stage_dir: Path, stats: dict, outputs=()) -> None:
+    """Write DONE.json: the stage is complete. `outputs`: the files (relative to `stage_dir`) later stages read,
+    recorded by size and sha256 so that damage done after the stage finished is refused, not used."""
+    stage_dir = Path(stage_dir)
+    recorded = {name: {"bytes": (stage_dir / name).stat().st_size, "sha256": sha256_file(stage_dir / name)}
+                for name in outputs}
+    atomic_write_json(stage_dir / DONE_NAME, {**stats, OUTPUTS_KEY: recorded} if recorded else stats)
+
+
+def verify_outputs(stage_dir: Path) -> None:
+    """Before a later stage reads a finished stage's outputs: each must be as that stage recorded it when it
+    finished; DamagedOutputError names the first file that is missing, cut or changed (a DONE.json written before
+    outputs were recorded is not checked)."""
+    stage_dir = Path(stage_dir)
+    for name, was in read_done(stage_dir).get(OUTPUTS_KEY, {}).items():
+        path = stage_dir / name
+        if not path.is_file():
+            problem = "is missing"
+        elif path.stat().st_size != was["bytes"]:
+            problem = f"is {path.stat().st_size} bytes, {was['bytes']} when its stage finished (cut or appended to)"
+        elif sha256_file(path) != was["sha256"]:
+            problem = "is damaged: its sha256 differs from the one its stage recorded when it finished"
+        else:
+            continue
+        raise DamagedOutputError(f"{path} {problem} ({stage_dir / DONE_NAME}): refusing to read it. "
+                                 f"Restore the file, or delete {stage_dir} to make it again")
 
 
 def read_done(stage_dir: Path) -> dict:

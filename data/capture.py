@@ -21,11 +21,12 @@ from tqdm.auto import tqdm
 from data.cache import CacheSpec, TargetCache, bytes_per_token, format_bytes
 from data.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
-from data.regenerate import read_records
+from data.regenerate import RECORDS_NAME, read_records
 from modeling.eagle3 import count_tokens
 from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size, weights_fingerprint
 from core import stage
 from core.dist import Dist, fault_point
+from core.io import require_free_space
 
 
 TOKEN_COUNTS_KEY = "loss_token_counts"  # in the manifest's meta
@@ -60,7 +61,8 @@ def regen_digest(regen_dir: Path) -> str:
     if not stage.is_done(regen_dir):
         raise RuntimeError(f"{regen_dir} holds no finished regeneration: run the regenerate stage first "
                            f"(--stages regenerate,...)")
-    return hashlib.sha256((Path(regen_dir) / "records.jsonl").read_bytes()).hexdigest()
+    stage.verify_outputs(regen_dir)  # cut or edited after the stage finished: refused, naming the file
+    return hashlib.sha256((Path(regen_dir) / RECORDS_NAME).read_bytes()).hexdigest()
 
 
 def training_rows(recipe, regen_dir: Path, tokenizer) -> tuple[list[dict], int]:
@@ -162,7 +164,12 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
                                TOKEN_COUNTS_KEY: loss_token_counts(rows),
                                # in the plan too: resuming with other weights at the same path is refused
                                TARGET_WEIGHTS_META: weights_fingerprint(model)})
-    todo = dist.mine(writer.pending_shards())
+    pending = writer.pending_shards()
+    pending_tokens = sum(len(r["input_ids"]) for s in pending for r in rows[s * per_shard: (s + 1) * per_shard])
+    require_free_space(out_dir, per_token * pending_tokens, f"the hidden-state cache ({pending_tokens:,} tokens x "
+                       f"{per_token:,} B)", advice="; or train with --set train.hidden_states=online (no cache: the "
+                       "train stage runs the target itself)")
+    todo = dist.mine(pending)
     todo_tokens = sum(len(r["input_ids"]) for s in todo for r in rows[s * per_shard: (s + 1) * per_shard])
     dtype = getattr(torch, recipe.cache.dtype)
     start = time.perf_counter()

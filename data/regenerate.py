@@ -32,6 +32,7 @@ import hashlib
 import json
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +44,13 @@ from transformers import DynamicCache
 
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import load_prompts
-from data.sources import Prompt
+from data.rows import Prompt
 from core import stage
 from core.io import atomic_write_json, atomic_write_text
 from core.dist import Dist, fault_point
+from core.redact import redact_url, redact_urls
 from core.server import LiveServer, default_engine_python, free_port, vllm_server_command
+from core.server_procs import visible_gpu
 from modeling.target import resolve_target, target_dtype
 
 
@@ -159,6 +162,10 @@ MAX_RETRY_AFTER_S = 30.0
 _REQUEST_ERRORS = frozenset({400, 413, 422})
 
 
+class RegenStallError(RuntimeError):
+    """The servers stopped answering: no request finished for regen.stall_timeout_s."""
+
+
 class OpenAIBackend:
     """POST /v1/chat/completions to one or more servers; request i goes to server i % len(urls)."""
 
@@ -166,11 +173,28 @@ class OpenAIBackend:
         self.tokenizer, self.regen, self.model_name = tokenizer, regen, model_name
         self.urls = [u.rstrip("/") for u in regen.server_urls]
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=regen.max_concurrency)
+        self.stalled = threading.Event()  # set once a stall stopped the stage: no request starts another attempt
 
     def generate(self, conversations: list[list[dict]], seed: int) -> list[Answer]:
         futures = [self.pool.submit(self._one, messages, seed + i, self.urls[i % len(self.urls)])
                    for i, messages in enumerate(conversations)]
-        return [f.result() for f in futures]
+        return self._gather(futures)
+
+    def _gather(self, futures: list) -> list[Answer]:
+        """The futures' answers; RegenStallError when none of them finishes for regen.stall_timeout_s (the chunk is
+        then not written, so a rerun asks again)."""
+        pending = {f for f in futures if isinstance(f, concurrent.futures.Future)}
+        while pending:
+            finished, pending = concurrent.futures.wait(pending, timeout=self.regen.stall_timeout_s,
+                                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            if not finished:
+                self.stalled.set()
+                servers = ", ".join(redact_url(u) for u in self.urls)
+                raise RegenStallError(
+                    f"no answer from {servers} for {self.regen.stall_timeout_s:g} s (regen.stall_timeout_s) with "
+                    f"{len(pending)} requests in flight: the server accepts connections but does not answer. The "
+                    f"chunks in flight were not marked done; fix or restart the server and rerun to resume")
+        return [f.result() if isinstance(f, concurrent.futures.Future) else f for f in futures]
 
     def _one(self, messages: list[dict], seed: int, url: str) -> Answer:
         payload = {"model": self.model_name, "messages": messages, "max_tokens": self.regen.max_new_tokens,
@@ -192,11 +216,15 @@ class OpenAIBackend:
         regen = self.regen
         error, wait = "no attempt made", 0.0
         for attempt in range(regen.request_attempts):
+            if self.stalled.is_set():  # the stage is stopping: no attempt that would keep the process alive
+                break
             if attempt:
                 time.sleep(wait)
             wait = min(2**attempt, 10) * 0.5
             try:
-                response = requests.post(f"{url}{path}", json=payload, timeout=regen.request_timeout_s)
+                # a read that outlasts the stall deadline is a stall: the thread ends by then, not hours later
+                response = requests.post(f"{url}{path}", json=payload,
+                                         timeout=min(regen.request_timeout_s, regen.stall_timeout_s))
             except requests.RequestException as exc:  # refused, reset, timed out: the server's state, not the prompt's
                 error = f"{type(exc).__name__} from {url}: {exc}"
                 continue
@@ -209,9 +237,9 @@ class OpenAIBackend:
             error = f"HTTP {response.status_code} from {url}: {response.text[:300]}"
             if response.status_code != 429 and response.status_code < 500:
                 # Asking again at once will not help; a 401/404 (the server's setup) may once the server is fixed.
-                return Answer(error=error, retryable=response.status_code not in _REQUEST_ERRORS)
+                return Answer(error=redact_urls(error), retryable=response.status_code not in _REQUEST_ERRORS)
             wait = _retry_after_s(response, wait)
-        return Answer(error=f"{error} ({regen.request_attempts} attempts)", retryable=True)
+        return Answer(error=redact_urls(f"{error} ({regen.request_attempts} attempts)"), retryable=True)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -256,7 +284,7 @@ class VLLMBackend(OpenAIBackend):
                        **self._sampling(seed + i)}
             futures.append(self.pool.submit(self._post, self.urls[0], "/v1/completions", payload,
                                             self._ids_answer))
-        return [f if isinstance(f, Answer) else f.result() for f in futures]
+        return self._gather(futures)
 
     def _ids_answer(self, choice: dict) -> Answer:
         ids = list(choice["token_ids"])
@@ -269,10 +297,11 @@ class VLLMBackend(OpenAIBackend):
 
 
 def _vllm_placement(dist: Dist) -> dict[str, str]:
-    """The environment that puts rank `dist.rank`'s vLLM server on its own GPU, or on its own share of the CPU cores
-    (all of them for one rank: vLLM's default keeps one core back, a third of the speed on 2 cores)."""
+    """The environment that puts rank `dist.rank`'s vLLM server on its own GPU (`visible_gpu`: among the GPUs this
+    process was given), or on its own share of the CPU cores (all of them for one rank: vLLM's default keeps one
+    core back, a third of the speed on 2 cores)."""
     if dist.device.type == "cuda":
-        return {"CUDA_VISIBLE_DEVICES": str(dist.device.index or 0)}
+        return {"CUDA_VISIBLE_DEVICES": visible_gpu(dist.device.index or 0)}
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     share = max(len(cores) // ranks_here, 1)
@@ -310,6 +339,7 @@ class SourceBackend:
 # --- the stage ----------------------------------------------------------------------------------------------------
 
 
+RECORDS_NAME = "records.jsonl"  # the regenerated conversations, one JSON object a line: what cache, train and opd read
 PROMPTS_KEY = "prompts_sha256"
 _PROMPTS_CHANGED = (
     f"The prompts changed: {PROMPTS_KEY} is a digest of the chosen prompts (ids, turns, system, source answers), and "
@@ -324,7 +354,8 @@ def regen_settings(recipe, prompts_sha256: str | None) -> dict:
     # allow_fewer only decides whether a short source is an error: the prompts (and runs made before it) are the same
     data = {k: v for k, v in asdict(recipe.data).items() if k != "allow_fewer"}
     # how requests reach the servers changes no answer (and the servers' URLs are fixed by rerunning)
-    transport = ("server_urls", "max_concurrency", "request_timeout_s", "request_attempts", "engine_python",
+    transport = ("server_urls", "max_concurrency", "request_timeout_s", "request_attempts", "stall_timeout_s",
+                 "engine_python",
                  "server_args", "server_startup_s")
     return {"target": recipe.target.name_or_path, "seed": recipe.seed, "data": data,
             "regen": {k: v for k, v in asdict(recipe.regen).items() if k not in transport},
@@ -456,7 +487,7 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
             stats.update(stage.throughput(total_tokens, elapsed))
             if startup_s:  # in `seconds` too: the tok/s a user gets, server start included
                 stats["server_startup_s"] = round(startup_s, 2)
-            stage.mark_done(out_dir, stats)
+            stage.mark_done(out_dir, stats, outputs=[RECORDS_NAME])  # cache, train and opd check it
             print(f"[regenerate] {stats['records']} conversations, {stats['errors']} failed, "
                   f"{stats['generated_tokens']} answer tokens; {stage.throughput_line(stats)}", flush=True)
     dist.wait()  # rank 0 merged every chunk meanwhile
@@ -546,11 +577,11 @@ def _merge(out_dir: Path, num_chunks: int) -> dict:
         lines += [json.dumps(r, ensure_ascii=False) + "\n" for r in chunk["records"]]
         error_lines += [json.dumps(e, ensure_ascii=False) + "\n" for e in chunk["errors"]]
         generated += chunk["generated_tokens"]
-    atomic_write_text(out_dir / "records.jsonl", "".join(lines))
+    atomic_write_text(out_dir / RECORDS_NAME, "".join(lines))
     atomic_write_text(out_dir / "errors.jsonl", "".join(error_lines))
     return {"records": len(lines), "errors": len(error_lines), "generated_tokens": generated}
 
 
 def read_records(out_dir: Path) -> list[dict]:
-    with open(Path(out_dir) / "records.jsonl") as handle:
+    with open(Path(out_dir) / RECORDS_NAME) as handle:
         return [json.loads(line) for line in handle]

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
-from core.io import publish_dir, sha256_file
+from core.io import publish_dir, sha256_file, verify_checksums
 from core.recipe import FAMILIES
 from modeling.draft_folder import (ARCHITECTURE_NAMES, CONFIG_NAME, TOKEN_MAP_NAME, WEIGHTS_NAME, architecture_name,
                                    read_config)
@@ -71,7 +71,8 @@ def detect(config: dict, where="config.json") -> DraftArchitecture:
 
 def draft_digest(draft_dir) -> str:
     """sha256 over the draft's config.json and weights: what a stage that reads a draft pins (a retrained draft
-    changes it)."""
+    changes it). A folder damaged since training wrote it is refused first, naming the file (verify_checksums)."""
+    verify_checksums(draft_dir)
     digest = hashlib.sha256()
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         digest.update(name.encode() + b"\0" + sha256_file(Path(draft_dir) / name).encode())
@@ -116,6 +117,23 @@ def read_token_map(draft_dir, vocab_size: int) -> torch.Tensor | None:
     return ids.sort().values
 
 
+def read_draft_weights(draft_dir) -> dict[str, torch.Tensor]:
+    """The state dict in `draft_dir`'s model.safetensors, once every file of the folder matches the checksums
+    training recorded (a flipped byte, a cut or a removed file is refused naming it). Eval and export read a draft's
+    weights through here; an unreadable file is named too (safetensors' own error names none)."""
+    draft_dir = Path(draft_dir)
+    verify_checksums(draft_dir)
+    path = draft_dir / WEIGHTS_NAME
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} not found: expected a draft folder written by training "
+                                f"({CONFIG_NAME} + {WEIGHTS_NAME})") from None
+    except Exception as err:  # safetensors raises its own SafetensorError (and OSError) on a cut or foreign file
+        raise ValueError(f"{path} is unreadable (truncated or not a safetensors file: {err}); export or "
+                         f"train it again") from None
+
+
 class TargetMismatchError(ValueError):
     """A draft meets a target other than the one whose hidden states it was trained on."""
 
@@ -146,7 +164,7 @@ def load_draft_model(draft_dir, target_model=None, *, dtype: torch.dtype | None 
     if not any_target:
         check_target_weights(config, target_model, draft_dir)
     model = arch.model_class(arch.config_class.from_dict(config))
-    missing, unexpected = model.load_state_dict(load_file(str(draft_dir / WEIGHTS_NAME)), strict=False)
+    missing, unexpected = model.load_state_dict(read_draft_weights(draft_dir), strict=False)
     if unexpected or set(missing) - set(arch.target_weights) or (missing and target_model is None):
         raise ValueError(f"{draft_dir / WEIGHTS_NAME} does not match {arch.name}: missing {sorted(missing)}"
                          f"{' (a target model supplies them)' if missing and target_model is None else ''}, "

@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import importlib.metadata
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -124,8 +125,26 @@ def target_hidden_size(name_or_path: str) -> int:
     return getattr(config, "text_config", config).hidden_size
 
 
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # what the hub's repo ids look like: name or namespace/name
+
+
+def target_path_problem(name_or_path: str) -> str | None:
+    """What is wrong with a target that is neither the embedded one, a model folder nor a hub id (a path mistyped:
+    the hub's own message, 'Repo id must be in the form ...', names no folder); None when it may load."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path == SMOLLM2 or (path / "config.json").is_file():
+        return None
+    if path.exists():
+        return (f"{name_or_path!r} is not a model folder (no config.json in it): give the folder that holds the "
+                f"model's config.json, tokenizer and weights")
+    if _HUB_ID.fullmatch(name_or_path) and not name_or_path.startswith("."):
+        return None
+    return (f"no such model folder {name_or_path!r} (and it is not a hub id, 'namespace/name'): give an existing "
+            f"folder with a config.json, a hub id, or {SMOLLM2}")
+
+
 def target_shape(name_or_path: str) -> dict | None:
-    """The target's decoder layer count and vocabulary size from its config alone (no weights); None when the config
+    """The target's decoder layer count, vocabulary size and width from its config alone (no weights); None when the config
     cannot be read here (a hub id not in the local cache while offline): the stages check them on the loaded model."""
     from transformers import AutoConfig
 
@@ -134,7 +153,8 @@ def target_shape(name_or_path: str) -> dict | None:
     except (OSError, ValueError):
         return None
     text = getattr(config, "text_config", config)
-    return {"num_layers": getattr(text, "num_hidden_layers", None), "vocab_size": getattr(text, "vocab_size", None)}
+    return {"num_layers": getattr(text, "num_hidden_layers", None), "vocab_size": getattr(text, "vocab_size", None),
+            "hidden_size": getattr(text, "hidden_size", None)}
 
 
 def weights_fingerprint(model, samples_per_tensor: int = 4096) -> str:

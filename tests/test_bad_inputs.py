@@ -54,11 +54,26 @@ CASES = [
     ({"opd.rounds": 2, "regen.temperature": 0.7}, "train,opd", ["opd.rounds 2 replays greedy rollouts",
                                                                 "regen.temperature 0"]),
     ({"train.hidden_states": "disk"}, "train", ["train.hidden_states"]),
+    # each used to fail late: in eval after 93 s of work, out of memory after regenerate and cache, with the hub's
+    # 'Repo id must be in the form ...' after loading the recipe; a name used to write outside runs/
+    ({"seed": -1}, "regenerate,cache,train,eval", ["seed must be in [0, 2**32)", "got -1"]),
+    ({"draft.block_size": 100000}, "regenerate,cache,train", ["draft.block_size 100000", "GiB of activations",
+                                                             "block drafters use 7-16"]),
+    ({"target.name_or_path": "/nonexistent/Qwen3-8B"}, "regenerate",
+     ["target.name_or_path: no such model folder '/nonexistent/Qwen3-8B'"]),
+    ({"target.name_or_path": "./models/qwen3"}, "regenerate", ["no such model folder './models/qwen3'"]),
+    ({"target.name_or_path": str(ROOT / "recipes")}, "regenerate", ["is not a model folder (no config.json in it)"]),
+    # a stage whose input no stage wrote used to end in a traceback ('No such file ...train/final/config.json')
+    ({}, "eval", ["--stages eval reads", "train/final, which no finished train stage wrote", "--stages train,eval"]),
+    ({}, "export", ["--stages export reads", "no finished train stage wrote"]),
+    ({}, "train", ["--stages train reads", "cache, which no finished cache stage wrote"]),
+    ({"name": "../../../escape"}, "regenerate", ["name '../../../escape' must be a plain name", "runs/<name>"]),
+    ({"name": "/tmp/abs"}, "regenerate", ["name '/tmp/abs' must be a plain name"]),
 ]
 
 
-@pytest.mark.parametrize("sets,stages,fragments", CASES, ids=[next(iter(c[0])) + "=" + str(next(iter(c[0].values())))
-                                                              for c in CASES])
+@pytest.mark.parametrize("sets,stages,fragments", CASES,
+                         ids=[next(iter(c[0]), "--stages") + "=" + str(next(iter(c[0].values()), c[1])) for c in CASES])
 def test_bad_value_is_refused_before_any_work(sets, stages, fragments, tiny_qwen3, prompt_file, tmp_path, capsys,
                                               drill):
     drill("bad-input", f"--set {sets}")

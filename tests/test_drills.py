@@ -186,3 +186,142 @@ def test_a_corrupted_file_is_refused_naming_it_and_nothing_else_changes(clean, t
     after = tree_digest(out)
     assert {name: after.get(name) for name in before} == before  # every file as it was: none changed, none removed
     drill("corruption", f"damaged {damaged}")
+
+
+# --- the user's files and damage found after a stage finished -----------------------------------------------------
+
+# Names a user may keep in --out that look like temporaries (a whole folder among them): a run never removes them.
+USER_FILES = [".bashrc.old-2023", ".latex.old-backup/notes.tex", ".notes.tmp", ".x.tmp-1", "mine/.draft.abcdefgh.tmp",
+              "regen/.records.old-copy", "train/.plan.tmp-v2", ".thesis.tex.old-12345678/ch1.tex"]
+
+
+def test_a_run_removes_only_the_temporaries_it_wrote(clean, tiny_qwen3, prompt_file, tmp_path, drill):
+    out = tmp_path / "run"
+    shutil.copytree(clean["out"], out)
+    for name in USER_FILES:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("the user's\n")
+    # what a killed run of ours leaves: a half-written recipe.yaml and records.jsonl, a half-published final draft
+    ours = [".recipe.yaml.k3j_9x2a.tmp", "regen/.records.jsonl.ab12cd34.tmp", "train/.final.tmp-q1w2e3r4/x"]
+    for name in ours:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("half written\n")
+    assert main(args_for(tiny_qwen3, prompt_file, out)) == 0
+    assert [name for name in USER_FILES if (out / name).read_text() != "the user's\n"] == []
+    assert [name for name in ours if (out / name.split("/x")[0]).exists()] == []
+    drill("corruption", "user files with temporary-looking names in --out")
+
+
+def _cut_lines(path, keep=5):
+    path.write_text("".join(path.read_text().splitlines(keepends=True)[:keep]))
+
+
+# (what is damaged after its stage finished, how, the stages rerun, the fragment the refusal must hold)
+DAMAGED_OUTPUTS = [
+    ("regen/records.jsonl", _cut_lines, "cache,train", "bytes"),
+    ("regen/records.jsonl", _flip_byte, "cache,train", "damaged"),
+    ("regen/records.jsonl", lambda p: p.unlink(), "cache,train", "missing"),
+    ("train/final/model.safetensors", _flip_byte, "export", "damaged"),
+    ("train/final/model.safetensors", _truncate, "export", "damaged"),
+    ("train/final/model.safetensors", lambda p: p.unlink(), "export", "missing"),
+]
+
+
+@pytest.mark.parametrize("damaged,damage,stages,cause", DAMAGED_OUTPUTS,
+                         ids=[f"{d[0]}-{d[1].__name__.strip('_<>')}-{d[3]}" for d in DAMAGED_OUTPUTS])
+def test_damage_after_a_stage_finished_is_refused_naming_the_file(clean, tiny_qwen3, prompt_file, tmp_path, capsys,
+                                                                  drill, damaged, damage, stages, cause):
+    out = tmp_path / "run"
+    shutil.copytree(clean["out"], out)
+    for later in ("cache", "train", "export") if damaged.startswith("regen/") else ("export",):
+        shutil.rmtree(out / later)  # the stages that read the damaged file run again
+    damage(out / damaged)
+    before = tree_digest(out)
+    args = args_for(tiny_qwen3, prompt_file, out)
+    args[args.index("--stages") + 1] = stages
+    try:
+        code = main(args)
+    except (ValueError, FileNotFoundError) as refused:  # export's own refusal
+        code, message = 2, str(refused)
+    else:
+        message = capsys.readouterr().err
+    assert code == 2 and cause in message and str(out / damaged) in message, message
+    after = tree_digest(out)
+    before.pop(".draftsmith.lock", None)
+    assert {name: after.get(name) for name in before} == before  # nothing lost or changed
+    assert set(after) - set(before) <= {".draftsmith.lock", "export/settings.json"}  # nothing built from it
+    drill("corruption", f"{damaged} damaged after its stage finished ({cause})")
+
+
+def test_a_checkpoint_stores_the_frozen_weights_once(clean):
+    step = clean["out"] / "train" / "checkpoints" / "step-0000004"
+    from safetensors.torch import load_file
+    from train.trainer import load_tensors
+
+    draft = load_file(str(step / "draft" / "model.safetensors"))
+    trained = load_tensors(step / "trainer_state.pt")["model"]
+    frozen = {"embed_tokens.weight", "lm_head.weight"}  # the target's copies in a DSpark draft
+    assert frozen <= set(draft)
+    assert not {name for name in trained if name.removeprefix("draft.") in frozen}
+    assert {name.removeprefix("draft.") for name in trained if name.startswith("draft.")} == set(draft) - frozen
+
+
+@pytest.mark.parametrize("stages,removed,what", [("cache,train", "cache", "the hidden-state cache"),
+                                                 ("train", "train", "checkpoint step-0000002")])
+def test_a_full_disk_is_refused_before_the_cache_or_a_checkpoint_is_written(clean, tiny_qwen3, prompt_file, tmp_path,
+                                                                            monkeypatch, drill, stages, removed, what):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    out = tmp_path / "run"
+    shutil.copytree(clean["out"], out)
+    for later in ("cache", "train", "export") if removed == "cache" else ("train", "export"):
+        shutil.rmtree(out / later)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**6, 10**6 - 4096, 4096))
+    args = args_for(tiny_qwen3, prompt_file, out)
+    args[args.index("--stages") + 1] = stages
+    with pytest.raises(OSError) as refused:
+        main(args)
+    message = str(refused.value)
+    assert f"not enough free space for {what}" in message and "4,096 bytes" in message, message
+    assert ("train.hidden_states=online" in message) == (removed == "cache")
+    assert not (out / removed / "DONE.json").exists()
+    drill("disk-full", f"free space checked before {what}")
+
+
+def test_a_refused_run_leaves_the_folders_recipe_as_it_was(clean, tiny_qwen3, prompt_file, tmp_path, capsys, drill):
+    out = tmp_path / "run"
+    shutil.copytree(clean["out"], out)
+    before = (out / "recipe.yaml").read_bytes()
+    args = args_for(tiny_qwen3, prompt_file, out) + ["--set", "regen.max_new_tokens=5"]
+    assert main(args) == 2
+    assert "regen.max_new_tokens: 6 in the folder, 5 now" in capsys.readouterr().err
+    assert (out / "recipe.yaml").read_bytes() == before  # the recipe its stages were made with
+    drill("bad-input", "a rerun with other settings than the folder's")
+
+
+def test_a_real_full_disk_then_room_made_the_rerun_gives_the_same_bytes(clean, tiny_qwen3, prompt_file, tmp_path,
+                                                                        drill):
+    """A tmpfs smaller than the run (not a simulated limit): the run stops naming the folder and the bytes free;
+    once the disk is made larger, the rerun ends with the uninterrupted run's bytes."""
+    size = sum(p.stat().st_size for p in clean["out"].rglob("*") if p.is_file())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    small = (size * 6 // 10) // 4096 * 4096
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={small}", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN); the RLIMIT_FSIZE drill above still runs")
+    try:
+        out = disk / "run"
+        full = run_cli(args_for(tiny_qwen3, prompt_file, out))
+        assert full.returncode != 0
+        assert "free" in full.stderr and str(out) in full.stderr, full.stderr[-3000:]
+        assert "not enough free space" in full.stderr or "could not write" in full.stderr, full.stderr[-3000:]
+        subprocess.run(["mount", "-o", f"remount,size={size * 3}", str(disk)], check=True)
+        resumed = run_cli(args_for(tiny_qwen3, prompt_file, out))
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert artefacts(out) == clean["artefacts"] and leftovers(out) == []
+        drill("disk-full", f"a real {small // 1024} KiB tmpfs, then made larger")
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

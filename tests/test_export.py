@@ -138,18 +138,21 @@ def test_sts_copied_for_dspark(tmp_path):
 
 
 def test_sps_table_shipped_and_serve_command_uses_it(tmp_path):
-    """A DSpark export ships the SPS table beside sts.json, and the printed SGLang command turns on what both need:
-    the ragged-verify mode (SGLang's default `static` builds no confidence head and ignores both files) plus the two
-    paths. A draft without a confidence head gets neither (SGLang's `compact` mode refuses such a draft)."""
+    """A DSpark export ships an SPS table that reaches SGLang's largest verify batch (48 running requests x
+    (gamma+1) = 240 tokens for gamma 4) beside sts.json, and the printed SGLang command turns on what both need: the
+    ragged-verify mode (SGLang's default `static` builds no confidence head and ignores both files), an attention
+    backend that implements it, and the two paths. A draft without a confidence head gets none of it (SGLang's
+    `compact` mode refuses such a draft)."""
     from export.serving import SpsTable, serve_command
 
     ckpt = make_block_draft(tmp_path / "d", markov_rank=4, confidence=True)
     (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.1, 1.2, 1.3]}))
-    SpsTable((1, 8), (100.0, 60.0), 64).save(ckpt / "sps_table.json")
+    SpsTable((1, 240), (100.0, 60.0), 240).save(ckpt / "sps_table.json")
     out = export_draft(ckpt, "sglang", tmp_path / "out")
     assert json.loads((out / "sps_table.json").read_text())["sample_steps_per_sec"] == [100.0, 60.0]
     command = serve_command(ckpt, "sglang", out, "some/target")
     assert command.startswith("SGLANG_RAGGED_VERIFY_MODE=compact python -m sglang.launch_server ")
+    assert "--attention-backend fa3" in command and "--dtype float32" in command
     assert f"--speculative-dspark-confidence-sts-path {out / 'sts.json'}" in command
     assert f"--speculative-dspark-sps-table-path {out / 'sps_table.json'}" in command
 
@@ -161,11 +164,127 @@ def test_sps_table_shipped_and_serve_command_uses_it(tmp_path):
     _no_leftovers(tmp_path / "out-bad")
 
     plain = make_block_draft(tmp_path / "plain", markov_rank=4, confidence=False)
-    SpsTable((1, 8), (100.0, 60.0), 64).save(plain / "sps_table.json")
+    SpsTable((1, 240), (100.0, 60.0), 240).save(plain / "sps_table.json")
     plain_out = export_draft(plain, "sglang", tmp_path / "plain-out")
     command = serve_command(plain, "sglang", plain_out, "some/target")
     assert command.startswith("python -m sglang.launch_server ") and "--speculative-algorithm DSPARK" in command
-    assert "sps-table" not in command and "RAGGED" not in command
+    assert "sps-table" not in command and "RAGGED" not in command and "--attention-backend" not in command
+
+
+def test_sps_table_short_of_sglang_batches_is_not_shipped(tmp_path, capsys):
+    """The eval's CPU table stops at 128 tokens; SGLang looks up verify batches of up to 48 x (gamma+1) = 240 and
+    clamps past the last probe. Found beside the draft, it is left out and the export prints SGLang's own profiler
+    commands instead; named with --sps, it is refused naming the file and both numbers."""
+    from export.serving import SpsTable
+
+    ckpt = make_block_draft(tmp_path / "d", markov_rank=4, confidence=True)
+    cpu_table = SpsTable((1, 8, 128), (100.0, 90.0, 60.0), 128)
+    cpu_table.save(ckpt / "sps_table.json")
+    assert export_main(["--checkpoint", str(ckpt), "--to", "sglang", "--out", str(tmp_path / "o")]) == 0
+    assert not (tmp_path / "o" / "sps_table.json").exists()
+    err = capsys.readouterr().err
+    assert "python -m sglang.benchmark.dspark_sps_profiler all --base-url http://127.0.0.1:30000 " \
+           "--max-batch-size 48" in err
+    assert "SGLANG_RAGGED_VERIFY_MODE=static SGLANG_DSPARK_ENABLE_SPS_RECORD=1 python -m sglang.launch_server" in err
+    cpu_table.save(tmp_path / "cpu-sps.json")
+    with pytest.raises(ValueError, match=r"cpu-sps\.json: its largest probe is 128 batch tokens.*up to 240"):
+        export_draft(ckpt, "sglang", tmp_path / "o2", sps_path=tmp_path / "cpu-sps.json")
+    _no_leftovers(tmp_path / "o2")
+
+
+def test_sts_length_must_match_gamma(tmp_path, capsys):
+    """Three temperatures for a gamma-4 draft: SGLang refuses it at start-up, after loading the target; the export
+    refuses it first, naming the file and both numbers, whether named with --sts or found beside the draft."""
+    from export.serving import save_sts
+
+    ckpt = make_block_draft(tmp_path / "d", markov_rank=4, confidence=True)
+    save_sts(tmp_path / "three.json", [1.0, 1.1, 1.2])
+    with pytest.raises(ValueError, match=r"three\.json holds 3 temperatures.*gamma = block_size = 4"):
+        export_draft(ckpt, "sglang", tmp_path / "out", sts_path=tmp_path / "three.json")
+    _no_leftovers(tmp_path / "out")
+    save_sts(ckpt / "sts.json", [1.0, 1.1, 1.2])
+    assert export_main(["--checkpoint", str(ckpt), "--to", "sglang", "--out", str(tmp_path / "out")]) == 2
+    assert f"{ckpt / 'sts.json'} holds 3 temperatures" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "cut", "removed"])
+def test_damaged_draft_is_refused_naming_the_file(tmp_path, capsys, damage):
+    """The train stage records checksums with its final draft; a flipped byte (which safetensors loads without a
+    complaint), a cut file or a removed one is refused by export, naming the file, and nothing is written."""
+    from core.io import write_checksums
+
+    ckpt = make_block_draft(tmp_path / "d", markov_rank=4)
+    write_checksums(ckpt)
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "flipped byte":
+        data[-5] ^= 0x01  # inside the last tensor's values: the file still parses
+        weights.write_bytes(bytes(data))
+    elif damage == "cut":
+        weights.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        weights.unlink()
+    assert export_main(["--checkpoint", str(ckpt), "--to", "sglang", "--out", str(tmp_path / "out")]) == 2
+    assert str(weights) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_hand_export_is_a_complete_serving_folder(tmp_path, monkeypatch, capsys):
+    """The README's `export/main.py --checkpoint runs/R/train/final --to sglang --out ...`, with relative paths:
+    the sts.json of the run's eval of this very draft ships (it stays in runs/R/eval), the eval's CPU-timed SPS
+    table does not (SGLang's profiler is printed instead), the target and its bfloat16 come from the run's
+    recipe.yaml, every path in the printed command is absolute, and every file is as readable as the umask allows
+    (the safetensors writer made model.safetensors 0600). An eval of another draft is not taken."""
+    import shlex
+
+    import yaml
+
+    from core import stage
+    from core.recipe import load_recipe, recipe_to_dict
+    from export.serving import SpsTable, save_sts
+    from modeling.registry import draft_digest
+
+    target = tmp_path / "target"
+    config = _target_config()
+    config.dtype = torch.bfloat16  # a Qwen3 target's config names bfloat16
+    config.save_pretrained(target)
+    run = tmp_path / "runs" / "r"
+    final = make_block_draft(run / "train" / "final", markov_rank=4, confidence=True)
+    recipe = load_recipe("dspark_smollm2_135m", [f"target.name_or_path={target}"])
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    stage.begin(run / "eval", {"draft_sha256": draft_digest(final)})
+    save_sts(run / "eval" / "sts.json", [1.0, 1.1, 1.2, 1.3])
+    SpsTable((1, 8, 128), (100.0, 90.0, 60.0), 128).save(run / "eval" / "sps_table.json")
+    stage.mark_done(run / "eval", {"accept_len": 2.0})
+    monkeypatch.chdir(tmp_path)
+    umask = os.umask(0o002)
+    try:
+        assert export_main(["--checkpoint", "runs/r/train/final", "--to", "sglang", "--out", "exports/dspark"]) == 0
+    finally:
+        os.umask(umask)
+    out = tmp_path / "exports" / "dspark"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "sts.json"]
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == \
+        {p.name: oct(0o664) for p in out.iterdir()}
+    assert oct(out.stat().st_mode & 0o777) == oct(0o775)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+
+    err = capsys.readouterr().err
+    words = shlex.split(err.split("serve it with:\n", 1)[1].splitlines()[0])
+    assert words[:2] == ["SGLANG_RAGGED_VERIFY_MODE=compact", "python"]
+    value = {flag: words[words.index(flag) + 1] for flag in ("--model-path", "--speculative-draft-model-path",
+                                                            "--speculative-dspark-confidence-sts-path", "--dtype",
+                                                            "--attention-backend")}
+    assert value["--model-path"] == str(target) and value["--speculative-draft-model-path"] == str(out)
+    assert value["--speculative-dspark-confidence-sts-path"] == str(out / "sts.json")
+    assert (value["--dtype"], value["--attention-backend"]) == ("bfloat16", "fa3")
+    assert "--speculative-dspark-sps-table-path" not in words and "sglang.benchmark.dspark_sps_profiler" in err
+
+    (run / "eval" / "settings.json").write_text(json.dumps({"draft_sha256": "an eval of another draft"}))
+    assert export_main(["--checkpoint", "runs/r/train/final", "--to", "sglang", "--out", "exports/other"]) == 0
+    assert not (tmp_path / "exports" / "other" / "sts.json").exists()
 
 
 @pytest.mark.parametrize("edit,needle", [

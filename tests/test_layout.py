@@ -135,3 +135,4 @@ def test_long_files_say_why():
         if lines > MAX_LINES and "600 lines" not in doc:
             long.append(f"{path.relative_to(ROOT)}: {lines} lines")
     assert long == [], "files over ~600 lines without a reason at their top:\n" + "\n".join(long)
+

@@ -216,7 +216,7 @@ def test_engine_gets_no_secrets_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_secret_server_args_are_redacted():
-    from core.server import redact_args
+    from core.redact import redact_args
 
     args = ["--api-key", "k1", "--hf-token=t2", "--ssl-keyfile-password", "p3", "--admin-api-key", "-k4",
             "--max-num-batched-tokens", "2048", "--tokenizer", "tok/path", "--skip-tokenizer-init", "--enforce-eager",

@@ -45,8 +45,10 @@ HEADS = ("vanilla", "gated", "rnn")
 RAGGED_VERIFY_ENV = "SGLANG_RAGGED_VERIFY_MODE"  # SGLang's name (sglang/srt/environ.py)
 STS_TEMPERATURES = [0.7, 1.3, 2.0, 0.9]
 # The issue's example: B=31 lies between the probes 16 and 32, so SGLang uses 950 (probe 16) and interpolation 528.
-SPS_TABLE = SpsTable((8, 16, 32, 64), (1000.0, 950.0, 500.0, 480.0), 128)
-SPS_QUERIES = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 129, 1000]
+# The last probe reaches SGLang's largest verify batch, 48 running requests x (GAMMA+1) = 240: a table that stops
+# short of it is not shipped (export/serving.py check_sps_range).
+SPS_TABLE = SpsTable((8, 16, 32, 64, 240), (1000.0, 950.0, 500.0, 480.0, 300.0), 256)
+SPS_QUERIES = [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 128, 239, 240, 256, 257, 1000]
 
 
 def _target_config():
@@ -165,6 +167,8 @@ def test_printed_serve_command_is_accepted_by_sglang(sglang_oracle, capsys):
     assert report["args"]["speculative_dspark_confidence_sts_path"] == str(out / "sts.json")
     assert report["args"]["speculative_dspark_sps_table_path"] == str(out / "sps_table.json")
     assert report["args"]["model_path"] == "Qwen/Qwen3-8B"
+    # the draft's dtype named (no target config to read here: the draft's own), and a backend with ragged verify
+    assert (report["args"]["dtype"], report["args"]["attention_backend"]) == ("float32", "fa3")
     assert report["sts_temperatures"] == pytest.approx(STS_TEMPERATURES)
     assert report["sps_max_batch_tokens"] == SPS_TABLE.max_batch_tokens
 
@@ -173,10 +177,29 @@ def test_printed_serve_command_is_accepted_by_sglang(sglang_oracle, capsys):
 # Subprocess side (`python tests/test_sglang_oracle.py --sglang-oracle REQUEST`)
 
 
+def _set_environ(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str | None]):
+    """os.environ with `env` applied (None: unset) inside the block, as it was after it."""
+    saved = {k: os.environ.get(k) for k in env}
+    _set_environ(env)
+    try:
+        yield
+    finally:
+        _set_environ(saved)
+
+
 def _printed_command(stderr: str) -> tuple[dict[str, str], list[str]]:
-    """(env assignments, argv after `python -m sglang.launch_server`) of the command export/main.py printed."""
-    line = [ln for ln in stderr.splitlines() if "sglang.launch_server" in ln][-1]
-    words = shlex.split(line)
+    """(env assignments, argv after `python -m sglang.launch_server`) of the command export/main.py printed after
+    `serve it with:`."""
+    words = shlex.split(stderr.split("serve it with:\n", 1)[1].splitlines()[0])
     env = dict(w.split("=", 1) for w in words[: words.index("python")])
     rest = words[words.index("python"):]
     assert rest[:3] == ["python", "-m", "sglang.launch_server"], rest[:3]
@@ -236,21 +259,13 @@ def _parse_serve_command(request: dict, model_class, get_config) -> dict:
 
     try:
         env, argv = _printed_command(request["printed"])
-        saved = {k: os.environ.get(k) for k in [*env, RAGGED_VERIFY_ENV]}
-        os.environ.pop(RAGGED_VERIFY_ENV, None)  # SGLang's default (static) unless the printed command sets it
-        os.environ.update(env)
-        try:
+        # SGLang's default (static) unless the printed command sets it
+        with _environ({RAGGED_VERIFY_ENV: None, **env}):
             args = prepare_server_args(argv)  # SGLang's own argparse + ServerArgs; an unknown flag exits here
             mode = read_ragged_verify_mode().value
             draft = model_class(get_config(request["cli_export"], trust_remote_code=False))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         names = ("speculative_algorithm", "speculative_draft_model_path", "speculative_dspark_confidence_sts_path",
-                 "speculative_dspark_sps_table_path", "model_path")
+                 "speculative_dspark_sps_table_path", "model_path", "dtype", "attention_backend")
         sts_path, sps_path = args.speculative_dspark_confidence_sts_path, args.speculative_dspark_sps_table_path
         return {"error": None, "env": env, "mode": mode, "confidence_head_built": draft.confidence_head is not None,
                 "args": {n: getattr(args, n) for n in names},

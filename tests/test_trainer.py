@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import run_cli, tiny_overrides
+from core.io import write_checksums
 from modeling.registry import TARGET_WEIGHTS_KEY
 from modeling.target import load_target, weights_fingerprint
 
@@ -175,6 +176,23 @@ def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, unin
     assert checkpoint_names(crashed) == ["step-0000004", "step-0000006"]
 
 
+def test_one_rank_of_two_killed_mid_training_then_the_rerun_continues_bit_exact(prepared, tiny_qwen3, prompt_file,
+                                                                                 tmp_path, drill):
+    drill("kill", "kill -9 of rank 1 of 2 at train:3, ZeRO-2")
+    clean, crashed = copy_run(prepared, "dspark", tmp_path / "clean"), copy_run(prepared, "dspark", tmp_path / "crash")
+    extra = {"train.zero_stage": 2}
+    first = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, clean, **extra), torchrun=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra),
+                     {"DRAFTSMITH_KILL_AT": "train:3", "DRAFTSMITH_KILL_RANK": "1"}, torchrun=2)
+    assert killed.returncode != 0 and not (crashed / "train" / "DONE.json").exists()
+    assert (crashed / "train" / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    resumed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra), torchrun=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    assert_same_run(crashed, clean)
+
+
 def test_two_rank_zero2_matches_one_rank(prepared, tiny_qwen3, prompt_file, tmp_path):
     one, two = copy_run(prepared, "dspark", tmp_path / "one"), copy_run(prepared, "dspark", tmp_path / "two")
     # Adam divides by sqrt(v)+eps: at eps=1e-8 it turns fp32 reduction-order noise in near-zero gradients (rows of
@@ -233,6 +251,7 @@ def test_eval_and_export_stages_run_again_when_their_inputs_change(prepared, tin
     weights = load_file(str(final))
     weights["fc.weight"] = weights["fc.weight"] * 0.5
     save_file(weights, str(final))
+    write_checksums(final.parent)  # as training records a folder it publishes (else refused as damaged)
     printed, _ = run(**{"eval.max_new_tokens": 9})
     assert "draft_sha256" in printed and "eval is complete" not in printed.replace(str(out / "eval"), "eval")
     exported = load_file(str(out / "export" / "sglang" / "model.safetensors"))

@@ -31,14 +31,15 @@ import torch
 from tqdm.auto import tqdm
 
 from core import stage
-from core.io import atomic_write_text, publish_dir, sync_tree, verify_checksums, write_checksums, write_failure
+from core.io import (atomic_write_text, publish_dir, require_free_space, sync_tree, verify_checksums,
+                     write_checksums, write_failure)
 from data.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
-from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
+from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config, read_draft_weights
 from train.algorithms import (add_feature_noise, attach_hidden, get_algorithm, input_scale, seeded_dropout,
                               set_dropout)
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
-from core.recipe import recipe_to_dict
+from core.recipe import shareable_recipe_dict
 
 
 # --- data order ---------------------------------------------------------------------------------------------------
@@ -97,20 +98,38 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return path
 
 
+def frozen_names(module) -> set[str]:
+    """The state-dict names of `module`'s frozen parameters (the target's embedding and lm_head copies, a frozen copy
+    attention): a checkpoint keeps them once, in its draft folder, not again in trainer_state.pt or DeepSpeed's
+    model states (an 8B target's embedding and lm_head are 2.4 GB in bf16)."""
+    return {name for name, param in module.named_parameters() if not param.requires_grad}
+
+
+def checkpoint_bytes(module) -> int:
+    """About what one checkpoint takes on disk: the draft's weights, the trainable ones again with two AdamW moments
+    (fp32) each."""
+    weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return weights + trainable * (4 + 2 * 4)
+
+
 def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist: Dist, extra: dict) -> Path:
     path = checkpoint_dir(ckpt_root, step)
     if dist.is_main:
+        require_free_space(ckpt_root, checkpoint_bytes(module), f"checkpoint {path.name}")
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    frozen = frozen_names(module)
     try:
         if engine.kind == "deepspeed":
-            engine.module.save_checkpoint(str(path), tag="zero")
+            engine.module.save_checkpoint(str(path), tag="zero", exclude_frozen_parameters=True)
         elif dist.is_main:
             torch.save({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
         if dist.is_main:
             module.save_draft(path / "draft")
             fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last
-            torch.save({"step": step, "model": module.state_dict(), **extra}, path / "trainer_state.pt")
+            trained = {name: value for name, value in module.state_dict().items() if name not in frozen}
+            torch.save({"step": step, "model": trained, **extra}, path / "trainer_state.pt")
     except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError ('iostream error')
         raise write_failure(path, err) from err
     dist.barrier()
@@ -187,11 +206,27 @@ def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
     if engine.kind == "deepspeed":
         _safe_deepspeed_loads(engine.module)
         engine.module.load_checkpoint(str(path), tag="zero", load_optimizer_states=True,
-                                      load_lr_scheduler_states=False)
+                                      load_lr_scheduler_states=False, load_module_strict=False)
     else:
-        module.load_state_dict(state["model"])
+        missing, unexpected = module.load_state_dict(state["model"], strict=False)
+        if unexpected or set(missing) - frozen_names(module):
+            raise ValueError(f"{path / 'trainer_state.pt'} does not match this recipe's model: missing "
+                             f"{sorted(set(missing) - frozen_names(module))}, unexpected {sorted(unexpected)}")
         optimizer.load_state_dict(load_tensors(path / "optimizer.pt")["optimizer"])
+    _restore_frozen(module, path / "draft")
     return state
+
+
+def _restore_frozen(module, draft_dir: Path) -> None:
+    """The frozen parameters as the checkpoint's draft folder holds them (their one copy in a checkpoint). The rest
+    (Eagle3's target lm_head) is the target's own, as built."""
+    names = sorted(name for name in frozen_names(module) if name.startswith("draft."))
+    if not names:
+        return
+    weights = read_draft_weights(draft_dir)
+    with torch.no_grad():
+        for name in names:
+            module.get_parameter(name).copy_(weights[name.removeprefix("draft.")])
 
 
 # --- engine: plain DDP or DeepSpeed ZeRO ------------------------------------------------------------------------
@@ -347,7 +382,7 @@ class Logger:
             import wandb
 
             self.wandb = wandb.init(project=recipe.train.wandb_project, name=recipe.name, dir=str(out_dir),
-                                    mode=os.environ.get("WANDB_MODE", "offline"), config=recipe_to_dict(recipe),
+                                    mode=os.environ.get("WANDB_MODE", "offline"), config=shareable_recipe_dict(recipe),
                                     resume="allow", id=wandb_run_id(recipe.name, out_dir))
 
     def log(self, step: int, metrics: dict, to_dashboards: bool) -> None:
@@ -525,3 +560,4 @@ def _export_final(checkpoint: Path, out_dir: Path) -> None:
     """Copy the last checkpoint's draft folder to out/train/final (what eval and export read)."""
     with publish_dir(out_dir / "final") as tmp:
         shutil.copytree(checkpoint / "draft", tmp, dirs_exist_ok=True)
+        write_checksums(tmp)  # eval and export refuse a damaged file by name (read_draft_weights)
