@@ -15,7 +15,7 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_M
 # Wheels are installed, not kept: a fresh machine (CI) has no use for a second copy of several GB of them.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: venv venv-vllm demo test drills clean
+.PHONY: venv venv-vllm demo test test-fast drills gpu-check clean
 
 venv: $(VENV)/.installed
 venv-vllm: $(VLLM_VENV)/.installed
@@ -65,6 +65,10 @@ test: venv venv-vllm
 drills: venv venv-vllm
 	$(DS_SHM_OP)
 	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m drill tests
+
+# The day-one GPU path on one GPU, offline, one line per check (benchmarks/gpu_check.py; --dry-run lists them).
+gpu-check: venv
+	$(OFFLINE) $(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -37,7 +37,8 @@ from data.prompts import eval_prompts
 from eval.run import acceptance_metrics, first_turn_ids
 from eval.spec_decode import load_draft, speculative_generate
 from export.convert import export_draft
-from export.serving import detect_algorithm, sglang_command, sglang_env, sglang_serving_files, vllm_command
+from export.serving import (declared_dtype, detect_algorithm, sglang_command, sglang_env, sglang_serving_files,
+                            vllm_command)
 from modeling.registry import read_config
 from modeling.target import load_target, load_tokenizer, resolve_target
 
@@ -212,22 +213,25 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     offline = acceptance_metrics(offline_rounds, gamma)
     del target, drafter
 
+    # in the dtype it is served in: --dtype, else fp32 for vLLM on CPU, else the target's (export_draft's default)
+    dtype = dtype or ("float32" if engine == "vllm" else None)
     served = export_draft(draft_dir, engine, out_dir / "served-draft", algorithm=algorithm, verifier=target_path,
-                          overwrite=True)
+                          dtype=dtype, overwrite=True)
     port = free_port()
     if engine == "vllm":
         # No GPU here: skip torch.compile (minutes on CPU, same numerics).
         eager = () if torch.cuda.is_available() or "--enforce-eager" in server_args else ("--enforce-eager",)
-        argv = vllm_command(python, target_path, served, algorithm, gamma, port, dtype=dtype or "float32",
+        argv = vllm_command(python, target_path, served, algorithm, gamma, port, dtype=dtype,
                             extra=eager + tuple(server_args))
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         generate = vllm_generate
     else:
         served_cfg = read_config(draft_dir)
         sts, sps = sglang_serving_files(served_cfg, algorithm, served)
-        argv = sglang_command(python, target_path, served, algorithm, gamma, port, dtype=dtype or "auto",
-                              sts_path=sts, sps_path=sps, extra=server_args)
         env, generate = sglang_env(served_cfg, algorithm), sglang_generate
+        dtype = declared_dtype(read_config(served))  # explicit: under `auto` SGLang runs a float32 config in fp16
+        argv = sglang_command(python, target_path, served, algorithm, gamma, port, dtype=dtype, sts_path=sts,
+                              sps_path=sps, ragged_verify=bool(env), extra=server_args)
 
     live_outputs, per_request = [], []
     start = time.monotonic()
@@ -256,7 +260,7 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
         "engine": engine, "algorithm": algorithm, "draft": str(draft_dir), "served_draft": str(served),
         "target": target_name, "dataset": dataset, "num_samples": len(prompt_ids), "max_new_tokens": max_new_tokens,
         "num_speculative_tokens": gamma, "server_command": server.command,  # secret flag values redacted
-        "dtype": dtype or ("float32" if engine == "vllm" else "auto"),
+        "dtype": dtype,
         "live": live,
         "offline": {k: offline[k] for k in ("accept_len", "accept_rate_at_k", "num_rounds")},
         "accept_len_diff": diff, "tolerance": tolerance, "within_tolerance": diff <= tolerance,

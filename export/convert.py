@@ -16,6 +16,10 @@ Strictness: the expected tensors are the registry's model built on the meta devi
 (every name, shape and dtype), renamed or dropped per (engine, architecture) by `SERVING_NAMES`. A missing key, a
 wrong shape or dtype, or a stray key raises ValueError naming the key, and nothing is left at `out`: the export is
 written into a temporary folder next to `out` and moved into place only when complete.
+
+Serving: the export declares the target's dtype and stores its weights in it (`serving_dtype`), and ships beside a
+DSpark draft the STS calibration and an SPS table that covers SGLang's verify batches, given or found in the draft's
+run (`_serving_files`); export/serving.py prints the command that serves it.
 """
 
 from __future__ import annotations
@@ -26,14 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from core import stage
 from core.dist import fault_point
 from core.io import publish_dir, sha256_file
+from core.recipe import RecipeError, load_recipe
 from core.server import ALGORITHMS, ENGINES
-from export.serving import SPS_FILENAME, STS_FILENAME, SpsTable, detect_algorithm, load_sts, serve_command
-from modeling.registry import CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config
+from export.serving import (SERVING_DTYPES, SPS_FILENAME, STS_FILENAME, SpsTable, check_sps_range, check_sts_length,
+                            covers_sglang_batches, detect_algorithm, load_sts, serve_command, sps_profile_note)
+from modeling.registry import (CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config,
+                               read_draft_weights)
 from modeling.target import resolve_target
 
 # Parameter dtypes a draft may be stored in; all floating tensors of one draft must share one of them.
@@ -230,6 +237,9 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
                                                "architectures"))
         layer["architectures"] = ["LlamaForCausalLM"]
         layer["model_type"] = "llama"
+        # vLLM 0.32 captures the top-level layer ids, but its Eagle3 class sizes fc from the layer config's
+        # num_aux_hidden_states (or eagle_config), else 3 (model_executor/models/llama_eagle3.py)
+        layer["num_aux_hidden_states"] = len(_eagle3_layer_ids(cfg))
         out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                "transformer_layer_config": layer, "draft_vocab_size": int(cfg["draft_vocab_size"]),
                "target_hidden_size": int(cfg.get("target_hidden_size") or cfg["hidden_size"]),
@@ -263,6 +273,120 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
     }
     out["speculators_version"] = "draftsmith"
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The dtype an export declares, and the files that serve beside it
+
+
+def target_config_dtype(target: str) -> str | None:
+    """The dtype the target's config.json names (transformers reads `dtype` or the older `torch_dtype`); None when
+    it names none or the config cannot be read here (a hub id not in the local cache while offline)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_target(target))
+    except (OSError, ValueError):
+        return None
+    found = getattr(getattr(config, "text_config", None) or config, "dtype", None)
+    return None if found is None else str(found).removeprefix("torch.")
+
+
+def serving_dtype(dtype: str | None, target: str | None, weights_dtype: torch.dtype) -> str:
+    """The dtype an export declares and stores its weights in: `dtype` when given, else the target's own (SGLang
+    builds the draft in the server's --dtype, and its DSpark/DFlash/Eagle3 fc takes the target's hidden states as they
+    come: a float16 draft beside a bfloat16 target fails its first request), else the draft's as trained when no
+    target config is readable (the printed command then runs target and draft in it: slower, never mismatched)."""
+    dtype = dtype or (target_config_dtype(target) if target else None) or str(weights_dtype).removeprefix("torch.")
+    if dtype not in SERVING_DTYPES:
+        raise ValueError(f"cannot serve in dtype {dtype!r}: expected one of {', '.join(SERVING_DTYPES)}")
+    return dtype
+
+
+def declare_dtype(config: dict, dtype: str) -> None:
+    """Name `dtype` in an export's config.json where serving.declared_dtype reads it: the way SGLang's
+    `_get_and_verify_dtype` and transformers 5 read it (`dtype`) and the way older readers do (`torch_dtype`), on
+    a speculators config's transformer_layer_config. A config naming none is float32 to SGLang, which `--dtype auto`
+    then runs in float16."""
+    config = config.get("transformer_layer_config") or config
+    config["dtype"] = config["torch_dtype"] = dtype
+
+
+def run_folder(checkpoint_dir) -> Path | None:
+    """The pipeline run a draft folder belongs to: runs/R for runs/R/train/final or runs/R/opd/final (a folder
+    holding the run's recipe.yaml); None for any other folder."""
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    run = checkpoint_dir.parent.parent
+    if checkpoint_dir.name == "final" and checkpoint_dir.parent.name in ("train", "opd") \
+            and (run / "recipe.yaml").is_file():
+        return run
+    return None
+
+
+def run_target(checkpoint_dir) -> str | None:
+    """The target of the run a draft folder belongs to (its recipe.yaml), None outside a run."""
+    run = run_folder(checkpoint_dir)
+    if run is None:
+        return None
+    try:
+        return load_recipe(str(run / "recipe.yaml")).target.name_or_path
+    except RecipeError:
+        return None
+
+
+def _eval_of(checkpoint_dir: Path) -> Path | None:
+    """The eval folder of the draft's run when that eval finished on this very draft: its settings pin the digest
+    of the draft it measured, and an eval of another draft (train/final when opd ran) calibrated something else."""
+    run = run_folder(checkpoint_dir)
+    if run is None or not stage.is_done(run / "eval") \
+            or stage.pinned(run / "eval").get("draft_sha256") != draft_digest(checkpoint_dir):
+        return None
+    return run / "eval"
+
+
+def found_serving_files(checkpoint_dir) -> tuple[Path | None, Path | None]:
+    """(sts.json, sps_table.json) a DSpark export takes when none is given: each from the draft folder itself, else
+    from its run's eval of this draft (`_eval_of`), where the eval stage writes them."""
+    own = [Path(checkpoint_dir) / name for name in (STS_FILENAME, SPS_FILENAME)]
+    if all(p.is_file() for p in own):
+        return own[0], own[1]
+    eval_dir = _eval_of(Path(checkpoint_dir))
+    places = [[p] + ([eval_dir / p.name] if eval_dir is not None else []) for p in own]
+    sts, sps = (next((p for p in paths if p.is_file()), None) for paths in places)
+    return sts, sps
+
+
+def shippable_sps(path: Path | None, cfg: dict) -> Path | None:
+    """A found SPS table (one the user did not name) ships only when it reaches SGLang's largest verify batch;
+    otherwise it is left out, and the export's printed note (serving.sps_profile_note) says why and how to profile
+    one on the serving GPU. The eval's table, timed by DraftSmith's own loop up to 128 tokens, is left out so."""
+    if path is None or cfg.get("block_size") is None:  # an Eagle3 draft: no SPS scheduler to feed
+        return path
+    return path if covers_sglang_batches(SpsTable.load(path), int(cfg["block_size"])) else None
+
+
+def _serving_files(checkpoint_dir: Path, cfg: dict, algorithm: str, sts_path, sps_path
+                   ) -> tuple[Path | None, Path | None]:
+    """The STS and SPS files a DSpark export ships (None, None for other algorithms), each read with the reader
+    that refuses what SGLang would misread, naming the file. Given ones must exist and fit this draft; found ones
+    (`found_serving_files`) too, except an SPS table short of SGLang's range, which is left out (`shippable_sps`)."""
+    for path, what in ((sts_path, "sts file"), (sps_path, "sps table")):
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{what} {path} not found")
+    found_sts, found_sps = found_serving_files(checkpoint_dir) if algorithm == "dspark" else (None, None)
+    sts = Path(sts_path) if sts_path is not None else found_sts
+    sps = Path(sps_path) if sps_path is not None else found_sps
+    calibration = load_sts(sts) if sts is not None else None
+    table = SpsTable.load(sps) if sps is not None else None
+    if algorithm != "dspark":
+        return None, None
+    gamma = int(cfg["block_size"])
+    if calibration is not None:
+        check_sts_length(calibration, gamma, sts)
+    if sps_path is None:
+        return sts, shippable_sps(sps, cfg)
+    check_sps_range(table, gamma, sps)
+    return sts, sps
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -307,15 +431,17 @@ def _check_eagle3_mapping(cfg: dict, state: dict[str, torch.Tensor]) -> None:
 
 
 def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = None, sts_path=None, sps_path=None,
-                 verifier: str | None = None, overwrite: bool = False) -> Path:
+                 verifier: str | None = None, dtype: str | None = None, overwrite: bool = False) -> Path:
     """Export a trained draft folder to `to` ("sglang" | "vllm") at `out_dir`; returns the output path.
 
     algorithm: None picks it from the config (see module docstring); "dflash"/"dspark"/"eagle3" forces one (and is
-    refused when the draft cannot serve that way). sts_path: a DSpark confidence calibration JSON to copy as sts.json
-    (default: the checkpoint folder's sts.json when present). sps_path: the target's SPS cost table for SGLang's
-    DSpark verify scheduler, copied as sps_table.json (default: the checkpoint folder's sps_table.json when present).
-    verifier: target model id written into vLLM's
-    speculators_config. Raises ValueError on any mismatch; `out_dir` is then left untouched.
+    refused when the draft cannot serve that way). sts_path: a DSpark confidence calibration JSON to copy as sts.json,
+    one temperature per draft position. sps_path: the target's SPS cost table for SGLang's DSpark verify scheduler,
+    copied as sps_table.json; refused unless it reaches SGLang's largest verify batch (`check_sps_range`). Without
+    them a DSpark export takes `found_serving_files` (the draft folder's, else its run's eval of this draft), leaving
+    out an SPS table short of that range. verifier: the target model id/path, written into vLLM's
+    speculators_config; its config's dtype is the export's unless `dtype` names one (`serving_dtype`). Raises
+    ValueError on any mismatch; `out_dir` is then left untouched.
     """
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if to not in ENGINES:
@@ -344,32 +470,24 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
                  "intermediate_size")
         _block_layer_ids(cfg)
 
-    state = load_file(str(weights_path))
+    state = read_draft_weights(checkpoint_dir)  # checked against training's checksums, or refused by name
     tensors = _validate(state, key_map(cfg, to))  # shapes/dtypes first, so the mapping check sees well-formed tensors
     if algorithm == "eagle3":
         _check_eagle3_mapping(cfg, state)
     out_cfg = sglang_config(cfg, algorithm) if to == "sglang" else vllm_config(cfg, algorithm, verifier)
-
-    sts = Path(sts_path) if sts_path is not None else checkpoint_dir / STS_FILENAME
-    if sts_path is not None and not sts.is_file():
-        raise FileNotFoundError(f"sts file {sts} not found")
-    if sts.is_file():
-        load_sts(sts)  # the eval stage's own reader: refuses what SGLang would misread, naming the file
-    sps = Path(sps_path) if sps_path is not None else checkpoint_dir / SPS_FILENAME
-    if sps_path is not None and not sps.is_file():
-        raise FileNotFoundError(f"sps table {sps} not found")
-    if sps.is_file():
-        SpsTable.load(sps)  # same: a table SGLang's SpsCostTable would refuse or misread is refused here
+    dtype = serving_dtype(dtype, verifier, next(t.dtype for t in tensors.values() if t.is_floating_point()))
+    tensors = {k: t.to(getattr(torch, dtype)) if t.is_floating_point() else t for k, t in tensors.items()}
+    declare_dtype(out_cfg, dtype)
+    sts, sps = _serving_files(checkpoint_dir, cfg, algorithm, sts_path, sps_path)
 
     # overwrite: the old export is moved aside only once the new one is complete
     with publish_dir(out_dir, if_exists="replace" if overwrite else "error") as tmp:
         (tmp / CONFIG_NAME).write_text(json.dumps(out_cfg, indent=2, sort_keys=True) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         fault_point("export", 0)  # killed mid-export: only the temporary folder beside out_dir is half written
-        if sts.is_file() and algorithm == "dspark":
-            shutil.copyfile(sts, tmp / STS_FILENAME)
-        if sps.is_file() and algorithm == "dspark":
-            shutil.copyfile(sps, tmp / SPS_FILENAME)
+        for src, name in ((sts, STS_FILENAME), (sps, SPS_FILENAME)):
+            if src is not None:
+                shutil.copyfile(src, tmp / name)
         for name in _COPIED_FILES:
             if (checkpoint_dir / name).is_file():
                 shutil.copyfile(checkpoint_dir / name, tmp / name)
@@ -398,16 +516,25 @@ def _check_replaceable(out_dir: Path) -> None:
 
 def run_export_stage(draft_dir: Path, export_dir: Path, target_name: str, sts_path: Path | None,
                      sps_path: Path | None = None) -> dict:
-    """The pipeline's `export` stage (rank 0): the SGLang checkpoint of the trained draft in export_dir/sglang, with
-    the eval's STS calibration and SPS table beside a DSpark draft. Pinned to the draft's and those files' digests: a
-    retrained draft or a new calibration exports again. Returns {"path", "command"} (the command that serves it)."""
+    """The pipeline's `export` stage (rank 0): the SGLang checkpoint of the trained draft in export_dir/sglang, in
+    the target's dtype, with the eval's STS calibration and (when it covers SGLang's verify batches,
+    `shippable_sps`) SPS table beside a DSpark draft. Pinned to the draft's and those files' digests and the
+    target's dtype: a retrained draft or a new calibration exports again. Returns {"path", "command"} (the command that serves it)
+    and "note" (what is missing, and how to make it) when there is one; the note is printed each time."""
+    target = resolve_target(target_name)
     settings = {"draft_sha256": draft_digest(draft_dir), "target": target_name,
+                "target_dtype": target_config_dtype(target),
                 "sts_sha256": sha256_file(sts_path) if sts_path is not None else None,
                 "sps_sha256": sha256_file(sps_path) if sps_path is not None else None}
     done = stage.start(export_dir, settings, "export", on_change="rerun")
     if done is None:
-        path = export_draft(draft_dir, "sglang", Path(export_dir) / "sglang", sts_path=sts_path, sps_path=sps_path,
-                            overwrite=True)
-        done = {"path": str(path), "command": serve_command(draft_dir, "sglang", path, resolve_target(target_name))}
+        path = export_draft(draft_dir, "sglang", Path(export_dir) / "sglang", sts_path=sts_path,
+                            sps_path=shippable_sps(sps_path, read_config(draft_dir)), verifier=target, overwrite=True)
+        done = {"path": str(path), "command": serve_command(draft_dir, "sglang", path, target)}
+        note = sps_profile_note(draft_dir, "sglang", path, target)
+        if note:
+            done["note"] = note
         stage.mark_done(export_dir, done)
+    if done.get("note"):
+        print(f"[export] {done['note']}", flush=True)
     return done

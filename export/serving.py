@@ -1,10 +1,14 @@
 """The serving contract: what an export promises the engines, and the commands that serve it.
 
 * which serving algorithm a draft runs as (`detect_algorithm`: EAGLE3, DFLASH or DSPARK);
-* the SGLang 0.5.23 and vLLM command lines that serve an export (`sglang_command`, `vllm_command`, `serve_command`);
+* the SGLang 0.5.23 and vLLM command lines that serve an export (`sglang_command`, `vllm_command`, `serve_command`):
+  the dtype the export declares (`declared_dtype`) named explicitly, absolute paths, and with the ragged-verify mode
+  an attention backend that implements it;
 * the two files a DSpark export ships for SGLang's confidence scheduler: the STS calibration
-  (`--speculative-dspark-confidence-sts-path`, `save_sts` / `load_sts`) and the SPS cost table
-  (`--speculative-dspark-sps-table-path`, `SpsTable`). eval/ computes their contents; this file owns their format.
+  (`--speculative-dspark-confidence-sts-path`, `save_sts` / `load_sts`, one temperature per draft position:
+  `check_sts_length`) and the SPS cost table (`--speculative-dspark-sps-table-path`, `SpsTable`). eval/ computes
+  their contents; this file owns their format. An SPS table ships only when it covers SGLang's verify batches
+  (`check_sps_range`); otherwise `sps_profile_note` prints SGLang's own profiler, run on the serving GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +35,18 @@ SPS_FILENAME = "sps_table.json"
 # ragged_verify.py and dspark_components/dspark_planner.py in the wheel.
 RAGGED_VERIFY_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 RAGGED_VERIFY_MODE = "compact"
+# Attention backends that implement ragged verify in SGLang 0.5.23 (any mode but `static`): FlashAttentionBackend
+# (`fa3`: SM80 and SM90, i.e. A100/L40S/H100/H200, MHA models such as Qwen3) and TRTLLMHAAttnBackend (`trtllm_mha`,
+# SM100) set `supports_ragged_verify_graph` and read the ragged layout. FlashInfer, the default on A100-class GPUs,
+# raises NotImplementedError("FlashInfer does not support ragged verify in cuda graph ..."); triton never reads the
+# layout. See srt/layers/attention/*_backend.py and attention_registry.py in the wheel.
+RAGGED_VERIFY_ATTENTION_BACKEND = "fa3"
+# SGLang 0.5.23 caps a DSpark server at 48 running requests unless --max-running-requests says otherwise
+# (srt/arg_groups/speculative_hook.py); each verifies up to gamma+1 tokens, so the SPS planner looks up batches of up
+# to 48 x (gamma+1) tokens and clamps anything past the table's last probe to that probe's value.
+SGLANG_DSPARK_MAX_RUNNING_REQUESTS = 48
+SPS_PROFILER = "sglang.benchmark.dspark_sps_profiler"  # SGLang's own profiler of the serving engine's verify steps
+SERVING_DTYPES = ("bfloat16", "float16", "float32")
 STS_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after")  # SGLang's DSparkStsCalibration
 SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  # SGLang's SpsCostTable
 
@@ -61,14 +77,19 @@ def vllm_command(python: str, target: str, draft_dir: Path, method: str, num_tok
 
 
 def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, num_tokens: int, port: int, *,
-                   dtype: str = "auto", sts_path: Path | None = None, sps_path: Path | None = None,
+                   dtype: str, sts_path: Path | None = None, sps_path: Path | None = None, ragged_verify: bool = False,
                    extra: tuple[str, ...] = ()) -> list[str]:
     """`python -m sglang.launch_server` for an exported draft. DFLASH/DSPARK read their block size from the draft's
-    config; EAGLE3 is a chain of `num_tokens` steps (top-k 1). The DSpark STS/SPS files only take effect with
-    `sglang_env`'s ragged-verify mode set in the server's environment."""
+    config; EAGLE3 is a chain of `num_tokens` steps (top-k 1). `dtype` is the export's (`declared_dtype`): SGLang
+    builds the draft with the server's --dtype, and under `auto` it would run a draft whose config names none in
+    float16 beside a bfloat16 target, whose hidden states its fc does not cast. The DSpark STS/SPS files only take
+    effect with `sglang_env`'s ragged-verify mode set in the server's environment; `ragged_verify` (that mode is set)
+    adds an attention backend that implements it."""
     argv = [python, "-m", "sglang.launch_server", "--model-path", target, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", dtype, "--random-seed", "0", "--speculative-algorithm", SGLANG_ALGORITHMS[algorithm],
             "--speculative-draft-model-path", str(draft_dir)]
+    if ragged_verify:
+        argv += ["--attention-backend", RAGGED_VERIFY_ATTENTION_BACKEND]
     if algorithm == "eagle3":
         argv += ["--speculative-num-steps", str(num_tokens), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(num_tokens + 1)]
@@ -97,21 +118,70 @@ def sglang_serving_files(cfg: dict, algorithm: str, export_dir: Path) -> tuple[P
     return (sts if sts.is_file() else None), (sps if sps.is_file() else None)
 
 
+def declared_dtype(cfg: dict) -> str | None:
+    """The dtype an export's config.json declares, as SGLang's `_get_and_verify_dtype` and transformers read it
+    (`dtype`, else the older `torch_dtype`; a speculators config for vLLM on its transformer_layer_config, the part
+    vLLM builds the draft's config from); None when it names none."""
+    cfg = cfg.get("transformer_layer_config") or cfg
+    value = cfg.get("dtype") or cfg.get("torch_dtype")
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def gamma_of(cfg: dict, algorithm: str) -> int:
+    """Tokens a trained draft proposes per round: Eagle3's chain length, a block draft's block_size."""
+    return int(cfg.get("ttt_length", 7) if algorithm == "eagle3" else cfg["block_size"])
+
+
+def _serve_argv(checkpoint_dir, to: str, out_dir, target: str | None, algorithm: str | None
+                ) -> tuple[dict[str, str], list[str]]:
+    """(environment, argv) that serve the export at `out_dir`: absolute paths (the server may start elsewhere),
+    the export's own dtype named explicitly."""
+    cfg = read_config(checkpoint_dir)
+    algorithm = algorithm or detect_algorithm(cfg)
+    gamma = gamma_of(cfg, algorithm)
+    out_dir = Path(out_dir).resolve()
+    dtype = declared_dtype(read_config(out_dir)) or "auto"
+    target = str(Path(target).resolve()) if target and Path(target).exists() else target or "<target model path or id>"
+    if to == "vllm":
+        return {}, vllm_command("python", target, out_dir, algorithm, gamma, 8000, dtype=dtype)
+    env = sglang_env(cfg, algorithm)
+    sts, sps = sglang_serving_files(cfg, algorithm, out_dir)
+    return env, sglang_command("python", target, out_dir, algorithm, gamma, 30000, dtype=dtype, sts_path=sts,
+                               sps_path=sps, ragged_verify=bool(env))
+
+
+def _shell(env: dict[str, str], argv: list[str]) -> str:
+    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+
+
 def serve_command(checkpoint_dir, to: str, out_dir, target: str | None = None, algorithm: str | None = None) -> str:
     """The shell command that serves the export at `out_dir` (made from the trained draft in `checkpoint_dir`, as
     `algorithm`: the one export_draft was given, None when it detected it), environment assignments first."""
+    return _shell(*_serve_argv(checkpoint_dir, to, out_dir, target, algorithm))
+
+
+def sps_profile_note(checkpoint_dir, to: str, out_dir, target: str | None = None, algorithm: str | None = None
+                     ) -> str | None:
+    """For an SGLang export whose confidence scheduler runs without an SPS table: why none ships, and SGLang's own
+    profiler that makes one on the serving GPU (a server in `static` mode recording its steps, the profiler up to
+    SGLang's default running-request cap, then the serve command with the table). None when nothing is missing."""
+    env, argv = _serve_argv(checkpoint_dir, to, out_dir, target, algorithm)
+    if to != "sglang" or not env or "--speculative-dspark-sps-table-path" in argv:
+        return None
     cfg = read_config(checkpoint_dir)
-    algorithm = algorithm or detect_algorithm(cfg)
-    gamma = int(cfg.get("ttt_length", 7) if algorithm == "eagle3" else cfg["block_size"])
-    target = target or "<target model path or id>"
-    env: dict[str, str] = {}
-    if to == "vllm":
-        argv = vllm_command("python", target, Path(out_dir), algorithm, gamma, 8000, dtype="auto")
-    else:
-        env = sglang_env(cfg, algorithm)
-        sts, sps = sglang_serving_files(cfg, algorithm, Path(out_dir))
-        argv = sglang_command("python", target, Path(out_dir), algorithm, gamma, 30000, sts_path=sts, sps_path=sps)
-    return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv])
+    gamma = gamma_of(cfg, algorithm or detect_algorithm(cfg))
+    out_dir = Path(out_dir).resolve()
+    table = out_dir.parent / f"{out_dir.name}-sps" / SPS_FILENAME  # the profiler writes records beside it
+    port = argv[argv.index("--port") + 1]
+    record_env = {RAGGED_VERIFY_ENV: "static", "SGLANG_DSPARK_ENABLE_SPS_RECORD": "1"}
+    profile = ["python", "-m", SPS_PROFILER, "all", "--base-url", f"http://127.0.0.1:{port}", "--max-batch-size",
+               str(SGLANG_DSPARK_MAX_RUNNING_REQUESTS), "--out", str(table)]
+    return (f"No SPS table ships with this export: DraftSmith's eval times its own batch-1 loop, while SGLang's "
+            f"planner looks up verify steps of up to {SGLANG_DSPARK_MAX_RUNNING_REQUESTS} running requests x "
+            f"(gamma+1) = {sglang_max_verify_tokens(gamma)} tokens on the serving GPU. Without one SGLang verifies "
+            f"every draft (no scheduling gain). To profile one on that GPU, start the server in static mode:\n"
+            f"  {_shell(record_env, argv)}\nrun SGLang's profiler against it:\n  {_shell({}, profile)}\nthen "
+            f"serve with the table:\n  {_shell(env, argv + ['--speculative-dspark-sps-table-path', str(table)])}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -268,3 +338,35 @@ class SpsTable:
     @classmethod
     def load(cls, path) -> "SpsTable":
         return read_json(path, cls.from_json)
+
+
+def sglang_max_verify_tokens(gamma: int) -> int:
+    """The largest verify batch SGLang's DSpark planner looks up by default: every running request verifies up to
+    gamma+1 tokens (`batch_tokens = num_running_reqs x (gamma+1)`, its SpsCostTable's index)."""
+    return SGLANG_DSPARK_MAX_RUNNING_REQUESTS * (gamma + 1)
+
+
+def covers_sglang_batches(table: SpsTable, gamma: int) -> bool:
+    """Whether the table's probes reach SGLang's largest verify batch: past its last probe SGLang's lookup clamps,
+    so every larger batch (the compute-bound range where the scheduler pays off) would get that probe's value."""
+    return table.batch_tokens[-1] >= sglang_max_verify_tokens(gamma)
+
+
+def check_sps_range(table: SpsTable, gamma: int, path) -> None:
+    """Refuse a table that stops short of SGLang's verify batches (`covers_sglang_batches`)."""
+    need = sglang_max_verify_tokens(gamma)
+    if not covers_sglang_batches(table, gamma):
+        raise ValueError(f"{path}: its largest probe is {table.batch_tokens[-1]} batch tokens, and SGLang's DSpark "
+                         f"planner looks up verify batches of up to {need} ({SGLANG_DSPARK_MAX_RUNNING_REQUESTS} "
+                         f"running requests x gamma+1 = {gamma + 1}) and clamps past the last probe: a silently wrong "
+                         f"cost curve. Profile the table on the serving GPU with SGLang's own {SPS_PROFILER} (the "
+                         f"export without --sps prints the commands), or pass the table to SGLang yourself")
+
+
+def check_sts_length(sts: StsCalibration, gamma: int, path) -> None:
+    """Refuse a calibration made for another gamma: SGLang's planner refuses it at start-up ('STS calibration was
+    fit for gamma=...'), after the target has loaded."""
+    if len(sts.temperatures) != gamma:
+        raise ValueError(f"{path} holds {len(sts.temperatures)} temperatures, one per draft position of the draft it "
+                         f"calibrates, but this draft proposes gamma = block_size = {gamma} tokens per round: SGLang "
+                         f"would refuse it at start-up. Use the sts.json of this draft's own eval, or leave it out")
