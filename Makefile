@@ -60,6 +60,11 @@ test: venv venv-vllm
 	$(DS_SHM_OP)
 	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
+# The edit loop: everything but the files that run the pipeline, train or start a server (pytest -m "not slow"; see
+# tests/conftest.py SLOW_FILES). `make test` stays the whole suite, and CI runs that.
+test-fast: venv venv-vllm
+	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+
 # The drill suite alone (also part of `make test`): kills, full disk, corruption, two runs, failing servers, bad
 # inputs; ends with its summary.
 drills: venv venv-vllm

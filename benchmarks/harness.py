@@ -30,6 +30,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 #: held-out tau is replayed from the target's own states, not from a compact copy of them (whatever the training
 #: cache's encoding: the arms that compare encodings must not change their yardstick)
 EVAL_CACHE_ENCODING = "raw"
+# named sources --add-source takes: the held-out sets (MT-bench, HumanEval, GSM8K test) never; GSM8K train via --gsm8k
+TRAINING_SOURCES = ("sharegpt", "libcode")
 
 
 def ratio(a: float, b: float) -> float:
@@ -49,17 +51,19 @@ def parse_arm(item: str) -> tuple[str, list[str]]:
     return name, [arg for kv in keys.split(",") for arg in ("--set", kv)]
 
 
-def parse_source(item: str) -> tuple[Path, float]:
-    """--add-source FILE=WEIGHT (FILE: a local prompt file, .json/.jsonl in any shape data.sources reads)."""
-    path, _, weight = item.rpartition("=")
+def parse_source(item: str) -> tuple[Path | str, float]:
+    """--add-source SOURCE=WEIGHT: SOURCE a local prompt file (.json/.jsonl in any shape data.sources reads) or a
+    training source's name (e.g. libcode); never a held-out source."""
+    name, _, weight = item.rpartition("=")
     try:
         value = float(weight)
     except ValueError:
         value = 0.0
-    if not (0 < value < math.inf) or not Path(path).is_file():  # (nan fails the comparison too)
-        raise argparse.ArgumentTypeError(f"{item!r}: expected FILE=WEIGHT with an existing prompt file and a weight "
-                                         "> 0, e.g. prompts.jsonl=0.5")
-    return Path(path), value
+    builtin = name in TRAINING_SOURCES
+    if not (0 < value < math.inf) or not (builtin or Path(name).is_file()):  # (nan fails the comparison too)
+        raise argparse.ArgumentTypeError(f"{item!r}: expected SOURCE=WEIGHT with an existing prompt file or a training "
+                                         "source's name and a weight > 0, e.g. prompts.jsonl=0.5 or libcode=1")
+    return (name if builtin else Path(name)), value
 
 
 def source_sets(train_data: str) -> list[str]:
@@ -72,7 +76,8 @@ def training_sources(gsm8k: Path | None, extra: list[tuple[Path, float]] = ()) -
     files (--add-source)."""
     return "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
                                               f"weight: 1.0}}" if gsm8k else "") + "".join(
-        f", {{name: '{path.resolve()}', weight: {weight}}}" for path, weight in extra) + "]"
+        f", {{name: '{source.resolve() if isinstance(source, Path) else source}', weight: {weight}}}"
+        for source, weight in extra) + "]"
 
 
 def run_pipeline(recipe: str, out: Path, stages: str, nproc: int, extra: list[str], log: Path,

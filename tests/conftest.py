@@ -194,14 +194,20 @@ def vllm_python():
 # The two longest files (~10 min each here) start first, one per worker; the rest fill in around them. A stable sort:
 # the order inside a file does not change.
 LONGEST_FILES = ("test_overfit_gate.py", "test_trainer.py")
+# Files whose tests run the pipeline end to end, train, or start a serving engine (30 s to 6 min each on 2 cores):
+# marked `slow`, which `make test-fast` leaves out for the edit loop. `make test` runs everything.
+SLOW_FILES = ("test_overfit_gate.py", "test_trainer.py", "test_online.py", "test_drills.py", "test_pipeline.py",
+              "test_opd.py", "test_regenerate.py", "test_eval_report.py", "test_live.py")
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the drill marker is added here
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the drill and slow markers are added here
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name not in LONGEST_FILES)
     for item in items:  # `pytest -m drill` (make drills) runs every test that injects a fault or a bad input
         if "drill" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.drill)
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
 
 
 # --- the drill suite -----------------------------------------------------------------------------------------------

@@ -174,3 +174,18 @@ def test_eval_records_name_the_cached_records_in_cache_order(tiny_qwen3, tmp_pat
         for pid, answer in rows))
     assert harness.eval_records(tmp_path) == [{"id": "eval_prompts:mtbench:81", "source": "mtbench"},
                                               {"id": "eval_prompts:humaneval:HumanEval/0", "source": "humaneval"}]
+
+
+def test_add_source_takes_prompt_files_and_training_sources_never_held_out_ones(tmp_path):
+    import argparse
+
+    from benchmarks.harness import parse_source, training_sources
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"turns": ["hi"]}\n')
+    extra = [parse_source("libcode=1"), parse_source(f"{prompts}=0.5")]
+    assert training_sources(None, extra) == (f"[{{name: sharegpt, weight: 1.0}}, {{name: 'libcode', weight: 1.0}}, "
+                                             f"{{name: '{prompts.resolve()}', weight: 0.5}}]")
+    for bad in ("humaneval=1", "mtbench=1", "gsm8k=1", "libcode=0", "libcode=nan", f"{tmp_path / 'none.jsonl'}=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_source(bad)
