@@ -147,7 +147,7 @@ def missing_inputs(recipe, stages: list[str], out: Path) -> list[str]:
         return [f"--out {out} is a file, not a folder: give a folder (it is created when missing)"]
     online = recipe.train.hidden_states == "online"
     opd = recipe.opd.rounds > 0
-    # input: (its folder, whether it is there, the stage that makes it, whether that stage is among --stages)
+    # input: (its folder, whether it is there, the stage that makes it)
     inputs = {"regen": (out / "regen", stage.is_done(out / "regen"), "regenerate"),
               "cache": (out / "cache", online or stage.is_done(out / "cache"), "cache"),
               "train": (out / "train" / "final", stage.is_done(out / "train"), "train"),

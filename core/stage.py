@@ -112,12 +112,14 @@ def mark_done(stage_dir: Path, stats: dict, outputs=()) -> None:
     atomic_write_json(stage_dir / DONE_NAME, {**stats, OUTPUTS_KEY: recorded} if recorded else stats)
 
 
-def verify_outputs(stage_dir: Path) -> None:
+def verify_outputs(stage_dir: Path) -> dict[str, str]:
     """Before a later stage reads a finished stage's outputs: each must be as that stage recorded it when it
     finished; DamagedOutputError names the first file that is missing, cut or changed (a DONE.json written before
-    outputs were recorded is not checked)."""
+    outputs were recorded is not checked). Returns {file name: sha256} of what was verified, so a reader that pins
+    a digest need not hash the file again."""
     stage_dir = Path(stage_dir)
-    for name, was in read_done(stage_dir).get(OUTPUTS_KEY, {}).items():
+    recorded = read_done(stage_dir).get(OUTPUTS_KEY, {})
+    for name, was in recorded.items():
         path = stage_dir / name
         if not path.is_file():
             problem = "is missing"
@@ -129,6 +131,7 @@ def verify_outputs(stage_dir: Path) -> None:
             continue
         raise DamagedOutputError(f"{path} {problem} ({stage_dir / DONE_NAME}): refusing to read it. "
                                  f"Restore the file, or delete {stage_dir} to make it again")
+    return {name: was["sha256"] for name, was in recorded.items()}
 
 
 def read_done(stage_dir: Path) -> dict:

@@ -9,7 +9,6 @@ finished cache is byte-identical to an uninterrupted one. See data/cache.py for 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -26,7 +25,7 @@ from modeling.eagle3 import count_tokens
 from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size, weights_fingerprint
 from core import stage
 from core.dist import Dist, fault_point
-from core.io import require_free_space
+from core.io import require_free_space, sha256_file
 
 
 TOKEN_COUNTS_KEY = "loss_token_counts"  # in the manifest's meta
@@ -61,8 +60,8 @@ def regen_digest(regen_dir: Path) -> str:
     if not stage.is_done(regen_dir):
         raise RuntimeError(f"{regen_dir} holds no finished regeneration: run the regenerate stage first "
                            f"(--stages regenerate,...)")
-    stage.verify_outputs(regen_dir)  # cut or edited after the stage finished: refused, naming the file
-    return hashlib.sha256((Path(regen_dir) / RECORDS_NAME).read_bytes()).hexdigest()
+    verified = stage.verify_outputs(regen_dir)  # cut or edited after the stage finished: refused, naming the file
+    return verified.get(RECORDS_NAME) or sha256_file(Path(regen_dir) / RECORDS_NAME)
 
 
 def training_rows(recipe, regen_dir: Path, tokenizer) -> tuple[list[dict], int]:

@@ -41,7 +41,7 @@ from export.serving import (SERVING_DTYPES, SPS_FILENAME, STS_FILENAME, SpsTable
                             covers_sglang_batches, detect_algorithm, load_sts, serve_command, sps_profile_note)
 from modeling.registry import (CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config,
                                read_draft_weights)
-from modeling.target import resolve_target
+from modeling.target import resolve_target, target_shape
 
 # Parameter dtypes a draft may be stored in; all floating tensors of one draft must share one of them.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -280,16 +280,9 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
 
 
 def target_config_dtype(target: str) -> str | None:
-    """The dtype the target's config.json names (transformers reads `dtype` or the older `torch_dtype`); None when
-    it names none or the config cannot be read here (a hub id not in the local cache while offline)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(resolve_target(target))
-    except (OSError, ValueError):
-        return None
-    found = getattr(getattr(config, "text_config", None) or config, "dtype", None)
-    return None if found is None else str(found).removeprefix("torch.")
+    """The dtype the target's config.json names; None when it names none or the config cannot be read here (a hub
+    id not in the local cache while offline)."""
+    return (target_shape(target) or {}).get("dtype")
 
 
 def serving_dtype(dtype: str | None, target: str | None, weights_dtype: torch.dtype) -> str:

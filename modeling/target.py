@@ -144,7 +144,7 @@ def target_path_problem(name_or_path: str) -> str | None:
 
 
 def target_shape(name_or_path: str) -> dict | None:
-    """The target's decoder layer count, vocabulary size and width from its config alone (no weights); None when the config
+    """The target's decoder layer count, vocabulary size, width and dtype from its config alone (no weights); None when the config
     cannot be read here (a hub id not in the local cache while offline): the stages check them on the loaded model."""
     from transformers import AutoConfig
 
@@ -153,8 +153,10 @@ def target_shape(name_or_path: str) -> dict | None:
     except (OSError, ValueError):
         return None
     text = getattr(config, "text_config", config)
+    dtype = getattr(text, "dtype", None)  # transformers reads `dtype` or the older `torch_dtype`
     return {"num_layers": getattr(text, "num_hidden_layers", None), "vocab_size": getattr(text, "vocab_size", None),
-            "hidden_size": getattr(text, "hidden_size", None)}
+            "hidden_size": getattr(text, "hidden_size", None),
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch.")}
 
 
 def weights_fingerprint(model, samples_per_tensor: int = 4096) -> str:

@@ -209,9 +209,10 @@ def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
                                       load_lr_scheduler_states=False, load_module_strict=False)
     else:
         missing, unexpected = module.load_state_dict(state["model"], strict=False)
-        if unexpected or set(missing) - frozen_names(module):
+        missing = set(missing) - frozen_names(module)  # the frozen ones come from the draft folder below
+        if unexpected or missing:
             raise ValueError(f"{path / 'trainer_state.pt'} does not match this recipe's model: missing "
-                             f"{sorted(set(missing) - frozen_names(module))}, unexpected {sorted(unexpected)}")
+                             f"{sorted(missing)}, unexpected {sorted(unexpected)}")
         optimizer.load_state_dict(load_tensors(path / "optimizer.pt")["optimizer"])
     _restore_frozen(module, path / "draft")
     return state
