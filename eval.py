@@ -151,17 +151,17 @@ def main(argv=None) -> int:
     keep_freed_memory()  # torch's CPU tensors come from malloc (core/malloc.py)
     if args.live:
         return _live(args)
-    from eval.run import ScheduleError, print_summary, run_eval
+    from eval.run import EvalSettings, ScheduleError, print_summary, run_eval
     from modeling.registry import TargetMismatchError
 
     try:
-        report = run_eval(draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
-                          num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,
-                          max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
-                          dataset_path=args.dataset_path, scheduler=not args.no_scheduler,
-                          hf_generate=args.hf_generate, ngram_baseline=args.ngram_baseline,
-                          any_target=args.any_target, full_vocab=args.full_vocab, verify_schedule=args.schedule,
-                          sts_path=args.sts)
+        report = run_eval(EvalSettings(
+            draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
+            num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,
+            max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
+            dataset_path=args.dataset_path, scheduler=not args.no_scheduler, hf_generate=args.hf_generate,
+            ngram_baseline=args.ngram_baseline, any_target=args.any_target, full_vocab=args.full_vocab,
+            verify_schedule=args.schedule, sts_path=args.sts))
     except (TargetMismatchError, ScheduleError) as exc:
         print(f"[eval] refused: {exc}", file=sys.stderr)
         return 2

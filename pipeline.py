@@ -238,7 +238,7 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
     from export.serving import SPS_FILENAME, STS_FILENAME
     from modeling.target import load_target, load_tokenizer
     from train.opd import run_opd
-    from train.trainer import run_train
+    from train.trainer import TrainJob, run_train
 
     tokenizer = load_tokenizer(recipe.target.name_or_path)
     model = None
@@ -260,7 +260,7 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
                 continue
             run_cache(recipe, out / "regen", out / "cache", dist, target, tokenizer)
         elif name == "train":
-            run_train(recipe, training_records(recipe, out, tokenizer, target), out / "train", dist, target)
+            run_train(TrainJob(recipe, training_records(recipe, out, tokenizer, target), out / "train", dist, target))
         elif name == "opd":
             if recipe.opd.rounds == 0:
                 dist.print("[opd] skipped: opd.rounds is 0 (on-policy distillation is opt-in)")

@@ -26,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import FAMILIES, OFFLINE  # noqa: E402
+from benchmarks.harness import OFFLINE  # noqa: E402
+from core.recipe import FAMILIES  # noqa: E402
 from eval.compare import format_ratio, paired_ratio  # noqa: E402
 
 

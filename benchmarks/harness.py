@@ -23,7 +23,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-FAMILIES = ("dspark", "dflash", "eagle3")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "offline",
            "TOKENIZERS_PARALLELISM": "false"}
 
@@ -73,7 +72,7 @@ def source_sets(train_data: str) -> list[str]:
 
 def training_sources(gsm8k: Path | None, extra: list[tuple[Path, float]] = ()) -> str:
     """The training prompt sources, as a recipe value: ShareGPT, plus GSM8K train with --gsm8k, plus local prompt
-    files (--add-source)."""
+    files and named training sources (--add-source)."""
     return "[{name: sharegpt, weight: 1.0}" + (f", {{name: gsm8k, path: '{gsm8k / 'train.jsonl'}', "
                                               f"weight: 1.0}}" if gsm8k else "") + "".join(
         f", {{name: '{source.resolve() if isinstance(source, Path) else source}', weight: {weight}}}"

@@ -34,13 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import (learning_curve, link_data, open_eval_cache, parse_arm,  # noqa: E402
                                 prepare_eval_data, run_pipeline, sets, source_sets, training_sources)
+from core.recipe import FAMILIES  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "levers", help="work folder (runs/levers)")
-    parser.add_argument("--family", default="dspark", choices=("dspark", "dflash", "eagle3"))
+    parser.add_argument("--family", default="dspark", choices=FAMILIES)
     parser.add_argument("--steps", type=int, default=240, help="optimizer steps of every arm (240)")
     parser.add_argument("--regen-prompts", type=int, default=128, help="prompts the target regenerates (128)")
     parser.add_argument("--source-prompts", type=int, default=384, help="conversations kept as the source wrote them")

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.harness import ratio, run_pipeline, sets  # noqa: E402
+from core.recipe import FAMILIES  # noqa: E402
 
 
 def folder_bytes(path: Path) -> int:
@@ -41,7 +42,7 @@ def train_figures(run: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--family", default="dspark", choices=("dspark", "dflash", "eagle3"))
+    parser.add_argument("--family", default="dspark", choices=FAMILIES)
     parser.add_argument("--prompts", type=int, default=32, help="training prompts regenerated once for both runs")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps of each run (the recipe's batch)")
     parser.add_argument("--nproc", type=int, default=1, help="training ranks (torchrun) of each run")

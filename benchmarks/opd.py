@@ -28,8 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (FAMILIES, link_data, open_eval_cache, prepare_data, prepare_eval_data,  # noqa: E402
-                                ratio, run_pipeline, sets)
+from benchmarks.harness import (link_data, open_eval_cache, prepare_data, prepare_eval_data, ratio,  # noqa: E402
+                                run_pipeline, sets)
+from core.recipe import FAMILIES  # noqa: E402
 from eval.compare import format_ratio, paired_ratio  # noqa: E402
 
 

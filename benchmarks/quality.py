@@ -48,11 +48,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (FAMILIES, eval_records, generalization, learning_curve, link_data,  # noqa: E402
-                                ngram_replay, open_eval_cache, parse_arm, parse_source, prepare_data,
-                                prepare_in_distribution_data, ratio, run_pipeline, sets, source_sets)
+from benchmarks.harness import (eval_records, generalization, learning_curve, link_data, ngram_replay,  # noqa: E402
+                                open_eval_cache, parse_arm, parse_source, prepare_data, prepare_in_distribution_data,
+                                ratio, run_pipeline, sets, source_sets)
 from core import stage  # noqa: E402
 from core.io import read_json  # noqa: E402
+from core.recipe import FAMILIES  # noqa: E402
 from eval.compare import format_ratio, paired_ratio, source_rows, source_table  # noqa: E402
 
 TRAIN_DATA = {"regenerate": "the target's own greedy answers", "source": "the sources' own answers, target's labels"}
@@ -190,7 +191,7 @@ def family_ratios(curves: dict) -> list[str]:
     """DSpark's held-out tau over each other family's, final draft against final draft (each family's own steps in the
     same budget), with paired_ratio's interval over the same held-out prompts."""
     lines = []
-    for other in ("dflash", "eagle3"):
+    for other in (f for f in FAMILIES if f != "dspark"):
         if "dspark" in curves and other in curves:
             p, q = curves["dspark"][-1], curves[other][-1]
             lines.append(f"dspark / {other}: {format_ratio(*paired_ratio(p, q))} (final drafts: {p['step']} / "
@@ -298,7 +299,7 @@ def main() -> int:
 
     from core.recipe import load_recipe
     from data.capture import open_cache
-    from eval.run import run_eval, vs_ngram
+    from eval.run import EvalSettings, run_eval, vs_ngram
     from modeling.target import load_target, load_tokenizer, target_hidden_size
 
     tokenizer = load_tokenizer("smollm2-135m-instruct")
@@ -383,10 +384,10 @@ def main() -> int:
     baselines, drafters, samples = {}, {}, {}
     for name in families + ["ngram"]:
         draft = str(out / name / "train" / "final") if name in FAMILIES else name
-        report = run_eval(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
-                          out_dir=out / "eval" / name, num_samples=0, temperature=0.0, block_size=7,
-                          max_new_tokens=args.max_new_tokens, scheduler=False, target=target, hf_generate=True,
-                          baselines=baselines)
+        report = run_eval(EvalSettings(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
+                                       out_dir=out / "eval" / name, num_samples=0, temperature=0.0, block_size=7,
+                                       max_new_tokens=args.max_new_tokens, scheduler=False, hf_generate=True),
+                          target=target, baselines=baselines)
         drafters[name] = {**trained.get(name, {}), "report": {k: v for k, v in report.items() if k != "samples"}}
         samples[name] = report["samples"]
         print(f"[quality] {name}: tau {report['accept_len']:.3f}, speedup {report['speedup']:.2f}x, "
@@ -395,8 +396,8 @@ def main() -> int:
     tau = {name: row["report"]["accept_len"] for name, row in drafters.items()}
     ratios = {}
     if "dspark" in tau:
-        ratios.update({f"dspark/{other}": ratio(tau["dspark"], tau[other]) for other in ("dflash", "eagle3")
-                       if other in tau})
+        ratios.update({f"dspark/{other}": ratio(tau["dspark"], tau[other]) for other in FAMILIES
+                       if other != "dspark" and other in tau})
     ratios.update({f"{f}/ngram": ratio(tau[f], tau["ngram"]) for f in families})
     first = next(iter(drafters.values()))["report"]
     result = {"budget_s": None if args.steps else args.budget_s, "steps": args.steps, "nproc": args.nproc,

@@ -96,7 +96,7 @@ def step_throughput(family: str, target, overrides: list[str], sequences: int, l
     def step():
         for batch in batches:  # micro-batches of one sequence, as the SmolLM2 recipes train
             with autocast():
-                out = module(batch)
+                out = module(batch, 0)  # as optimizer step 0 (a loss.ce_warmup_steps recipe: its CE-only start)
             (out.loss_sum / batch["weight_sum"]).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -106,7 +106,7 @@ def step_throughput(family: str, target, overrides: list[str], sequences: int, l
     with patch.dict(os.environ, {"DRAFTSMITH_ONEDNN": "0"}), FlopCounterMode(display=False) as counter:
         for batch in batches:
             with autocast():
-                out = module(batch)
+                out = module(batch, 0)
             (out.loss_sum / batch["weight_sum"]).backward()
     optimizer.zero_grad()
     flops = counter.get_total_flops()

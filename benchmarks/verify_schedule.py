@@ -96,7 +96,8 @@ def main(argv=None) -> int:
 
     from core.malloc import keep_freed_memory
     from data.prompts import eval_prompts
-    from eval.run import acceptance_metrics, first_turn_ids, loop_schedule, make_drafter, round_timing, run_eval
+    from eval.run import (EvalSettings, acceptance_metrics, first_turn_ids, loop_schedule, make_drafter, round_timing,
+                          run_eval)
     from eval.spec_decode import speculative_generate, target_generate
     from modeling.target import load_target, load_tokenizer
     from tqdm.auto import tqdm
@@ -104,9 +105,10 @@ def main(argv=None) -> int:
     keep_freed_memory()
     target = load_target(TARGET, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(TARGET)
-    calibration = run_eval(draft=str(args.draft), target_name=TARGET, dataset=str(args.calibration_prompts),
-                           out_dir=args.out / "calibration", num_samples=args.num_calibration, temperature=0.0,
-                           block_size=args.gamma, max_new_tokens=args.max_new_tokens, scheduler=False, target=target)
+    calibration = run_eval(EvalSettings(
+        draft=str(args.draft), target_name=TARGET, dataset=str(args.calibration_prompts),
+        out_dir=args.out / "calibration", num_samples=args.num_calibration, temperature=0.0, block_size=args.gamma,
+        max_new_tokens=args.max_new_tokens, scheduler=False), target=target)
     if "calibration" not in calibration:
         parser.error(f"--draft {args.draft}: no confidence head, nothing to schedule with")
     sts = calibration["calibration"]["sts_path"]

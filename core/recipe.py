@@ -27,8 +27,10 @@ import yaml
 from core.redact import redact_url
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-#: the drafter families a recipe trains; modeling/registry.py maps each to its model class.
-FAMILIES = ("dspark", "dflash", "eagle3")
+#: the drafter families a recipe trains; modeling/registry.py maps each to its model class. The block families are
+#: one model (modeling/dspark.py): DFlash is DSpark with its Markov and confidence heads off.
+BLOCK_FAMILIES = ("dspark", "dflash")
+FAMILIES = (*BLOCK_FAMILIES, "eagle3")
 
 
 # --- schema -------------------------------------------------------------------------------------------------------
@@ -508,7 +510,7 @@ def _check_values(recipe: Recipe) -> None:
         problems.append("target.layer_ids must list at least one layer")
     if len(set(recipe.target.layer_ids)) != len(recipe.target.layer_ids):
         problems.append(f"target.layer_ids has duplicates: {recipe.target.layer_ids}")
-    if recipe.regen.backend == "source" and recipe.family in ("dspark", "dflash") and recipe.loss.ce_labels != "target":
+    if recipe.regen.backend == "source" and recipe.family in BLOCK_FAMILIES and recipe.loss.ce_labels != "target":
         problems.append("regen.backend 'source' trains on the source's text, not the target's: block drafters need "
                         "loss.ce_labels=target (the target's own argmax as the label)")
     if recipe.draft.init_copy == "frozen" and recipe.train.weight_decay > 0:

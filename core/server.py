@@ -33,9 +33,11 @@ from core.server_procs import TAG_VAR, kill_tagged, port_held_by, tagged_process
 LOG_TAIL_LINES = 40
 # The engines and the speculative algorithms DraftSmith serves drafts with, and the live check's default
 # |tau_live - tau_offline| (eval/live.py's tolerance_note says why it is enough): here, with no heavy import, so that
-# the command lines build their --help in a blink.
+# the command lines build their --help in a blink. A serving algorithm is how an engine runs a draft (SGLang's
+# --speculative-algorithm, lowercase; export/serving.py detect_algorithm), not the family it was trained as
+# (core/recipe.py FAMILIES): a dflash-family draft in the anchor-first layout serves as dspark.
 ENGINES = ("sglang", "vllm")
-ALGORITHMS = ("eagle3", "dflash", "dspark")
+SERVING_ALGORITHMS = ("eagle3", "dflash", "dspark")
 DEFAULT_TOLERANCE = 0.02
 
 

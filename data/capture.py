@@ -21,8 +21,8 @@ from data.cache import CacheSpec, TargetCache, bytes_per_token, format_bytes
 from data.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
 from data.regenerate import RECORDS_NAME, read_records
-from modeling.eagle3 import count_tokens
 from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size, weights_fingerprint
+from modeling.vocab import count_tokens
 from core import stage
 from core.dist import Dist, fault_point
 from core.io import require_free_space, sha256_file

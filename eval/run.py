@@ -25,6 +25,7 @@ Written to DIR/report.json, DIR/report.md and DIR/accept_rate.png.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -113,58 +114,89 @@ def make_drafter(draft: str, target, gamma: int, any_target: bool = False, full_
     return load_draft(draft, target, any_target=any_target, full_vocab=full_vocab)
 
 
-def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int, temperature: float,
-             block_size: int | None, max_new_tokens: int, seed: int = 0, system_prompt: str | None = None,
-             enable_thinking: bool = False, dataset_path: str | None = None, device: str | None = None,
-             scheduler: bool = True, target=None, hf_generate: bool = False, baselines: dict | None = None,
-             ngram_baseline: bool = False, any_target: bool = False, full_vocab: bool = False,
-             verify_schedule: str = "fixed", sts_path: str | None = None) -> dict:
-    """`target`: the target model `target_name` names, when the caller already holds it (the eval stage does).
+@dataclass(frozen=True)
+class EvalSettings:
+    """One eval: which drafter, on which target and prompts, how it decodes and what it adds to the report.
 
+    draft: a trained draft folder, `ngram`, or `lm:<path or id>` (`make_drafter`). dataset, dataset_path: the prompts
+    (a benchmark name, a prompt file, or a source's held-out rows; data/prompts.py eval_prompts). block_size: gamma,
+    None for the draft's own. device: where the target loads when the caller holds none (default: cuda if any).
+    scheduler: with a DSpark confidence head, also time the target's SPS table and simulate SGLang's scheduler.
     hf_generate: also time plain HF `generate` (greedy, batch size 1) on every prompt, the speed users compare with:
     `hf_generate_tokens_per_s`, `speedup_vs_generate` and `hf_generate_match` (its output equals ours).
-    baselines: a dict shared by several calls in one process (one per drafter, same target and prompts): each prompt's
-    baseline decodes are run once, by the first call, and reused.
     ngram_baseline: also run the free n-gram drafter on the same prompts (report `ngram_baseline`, `tau_vs_ngram`): a
     trained drafter that accepts less than it is not worth serving.
+    any_target: accept a target whose weights differ from the draft's own (see modeling.registry).
     full_vocab: draft over the whole vocabulary although the draft folder has a token map (report `draft_vocab_size`:
     the tokens drafted among, None for all).
     verify_schedule: `fixed` verifies every draft (gamma a round); `confidence` verifies the drafts DSpark's scheduler
     admits each round (eval/scheduler.py VerifySchedule), from the confidence head calibrated with `sts_path` (an
     sts.json written by an eval on other prompts; None: uncalibrated) and this machine's verify cost, profiled
-    through the loop's own cache (`loop_sps_table.json`). Report `verify_schedule`."""
-    if verify_schedule not in SCHEDULES:
-        raise ScheduleError(f"unknown verify schedule {verify_schedule!r}; known: {', '.join(SCHEDULES)}")
-    out_dir = Path(out_dir)
+    through the loop's own cache (`loop_sps_table.json`). Report `verify_schedule`.
+    """
+
+    draft: str
+    target_name: str
+    dataset: str
+    out_dir: Path
+    num_samples: int
+    temperature: float
+    block_size: int | None
+    max_new_tokens: int
+    seed: int = 0
+    system_prompt: str | None = None
+    enable_thinking: bool = False
+    dataset_path: str | None = None
+    device: str | None = None
+    scheduler: bool = True
+    hf_generate: bool = False
+    ngram_baseline: bool = False
+    any_target: bool = False
+    full_vocab: bool = False
+    verify_schedule: str = "fixed"
+    sts_path: str | None = None
+
+
+def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = None) -> dict:
+    """Speculative decoding with `settings.draft` on the prompts, against the target's own decoding; the report, also
+    written to DIR/report.json, report.md and accept_rate.png (DIR = settings.out_dir).
+
+    target: the target model `settings.target_name` names, when the caller already holds it (the eval stage does).
+    baselines: a dict shared by several calls in one process (one per drafter, same target and prompts): each prompt's
+    baseline decodes are run once, by the first call, and reused."""
+    s = settings
+    if s.verify_schedule not in SCHEDULES:
+        raise ScheduleError(f"unknown verify schedule {s.verify_schedule!r}; known: {', '.join(SCHEDULES)}")
+    out_dir = Path(s.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
-        target = load_target(target_name, device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tokenizer = load_tokenizer(target_name)
-    drafter = make_drafter(draft, target, block_size or 7, any_target, full_vocab)
-    gamma = block_size or drafter.default_gamma
+        target = load_target(s.target_name, s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tokenizer = load_tokenizer(s.target_name)
+    drafter = make_drafter(s.draft, target, s.block_size or 7, s.any_target, s.full_vocab)
+    gamma = s.block_size or drafter.default_gamma
     schedule = None
-    if verify_schedule == "confidence":
-        schedule, schedule_report = loop_schedule(target, drafter, gamma, sts_path, out_dir)
+    if s.verify_schedule == "confidence":
+        schedule, schedule_report = loop_schedule(target, drafter, gamma, s.sts_path, out_dir)
     draft_vocab = getattr(getattr(drafter, "model", None), "draft_vocab", None)
-    prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
-    greedy = is_greedy(temperature)
+    prompts = eval_prompts(s.dataset, s.num_samples, s.seed, path=s.dataset_path)
+    greedy = is_greedy(s.temperature)
 
-    hf_generate = hf_generate and greedy
+    hf_generate = s.hf_generate and greedy
     baselines = {} if baselines is None else baselines
     samples, rounds = [], []
     spec_time = target_time = spec_tokens = target_tokens = hf_time = hf_tokens = 0.0
     spec_prefill = target_prefill = 0.0
-    for i, prompt in enumerate(tqdm(prompts, desc=f"eval {dataset}", unit="prompt")):
-        ids = first_turn_ids(tokenizer, prompt, system_prompt, enable_thinking)
-        key = (prompt.id, max_new_tokens, temperature, seed + i)
+    for i, prompt in enumerate(tqdm(prompts, desc=f"eval {s.dataset}", unit="prompt")):
+        ids = first_turn_ids(tokenizer, prompt, s.system_prompt, s.enable_thinking)
+        key = (prompt.id, s.max_new_tokens, s.temperature, s.seed + i)
         if key not in baselines or (hf_generate and baselines[key][1] is None):
-            reference = target_generate(target, ids, max_new_tokens, temperature, tokenizer.eos_token_id,
-                                        seed=seed + i)
-            baselines[key] = (reference, hf_generate_result(target, tokenizer, ids, max_new_tokens)
+            reference = target_generate(target, ids, s.max_new_tokens, s.temperature, tokenizer.eos_token_id,
+                                        seed=s.seed + i)
+            baselines[key] = (reference, hf_generate_result(target, tokenizer, ids, s.max_new_tokens)
                               if hf_generate else None)
         reference, plain = baselines[key]
-        result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
-                                      temperature=temperature, eos_token_id=tokenizer.eos_token_id, seed=seed + i,
+        result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=s.max_new_tokens,
+                                      temperature=s.temperature, eos_token_id=tokenizer.eos_token_id, seed=s.seed + i,
                                       schedule=schedule)
         target_time += reference.wall_s
         target_prefill += reference.prefill_s
@@ -183,11 +215,11 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
             samples[-1]["hf_generate_exact"] = plain.ids == reference.ids
 
     report = {
-        "draft": draft, "target": target_name, "dataset": dataset, "temperature": temperature,
-        "num_samples": len(samples), "block_size": gamma, "max_new_tokens": max_new_tokens,
+        "draft": s.draft, "target": s.target_name, "dataset": s.dataset, "temperature": s.temperature,
+        "num_samples": len(samples), "block_size": gamma, "max_new_tokens": s.max_new_tokens,
         "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
         **acceptance_metrics(rounds, gamma),
-        "exact_match": (sum(s["exact"] for s in samples) / max(len(samples), 1)) if greedy else None,
+        "exact_match": (sum(x["exact"] for x in samples) / max(len(samples), 1)) if greedy else None,
         "spec_tokens_per_s": spec_tokens / spec_time if spec_time else 0.0,
         "target_tokens_per_s": target_tokens / target_time if target_time else 0.0,
         "samples": samples,
@@ -202,21 +234,21 @@ def run_eval(*, draft: str, target_name: str, dataset: str, out_dir: Path, num_s
         report["hf_generate_tokens_per_s"] = hf_tokens / hf_time if hf_time else 0.0
         report["speedup_vs_generate"] = (report["spec_tokens_per_s"] / report["hf_generate_tokens_per_s"]
                                          if report["hf_generate_tokens_per_s"] else 0.0)
-        report["hf_generate_match"] = sum(s["hf_generate_exact"] for s in samples) / max(len(samples), 1)
-    if ngram_baseline and draft != "ngram":
-        ngram = run_eval(draft="ngram", target_name=target_name, dataset=dataset, out_dir=out_dir / "ngram",
-                         num_samples=num_samples, temperature=temperature, block_size=gamma,
-                         max_new_tokens=max_new_tokens, seed=seed, system_prompt=system_prompt,
-                         enable_thinking=enable_thinking, dataset_path=dataset_path, scheduler=False, target=target,
-                         baselines=baselines)
+        report["hf_generate_match"] = sum(x["hf_generate_exact"] for x in samples) / max(len(samples), 1)
+    if s.ngram_baseline and s.draft != "ngram":
+        # the same prompts and decoding, gamma included, with the free n-gram drafter and nothing else
+        ngram = run_eval(replace(s, draft="ngram", out_dir=out_dir / "ngram", block_size=gamma, device=None,
+                                 scheduler=False, hf_generate=False, ngram_baseline=False, any_target=False,
+                                 full_vocab=False, verify_schedule="fixed", sts_path=None),
+                         target=target, baselines=baselines)
         report["ngram_baseline"] = {key: ngram[key] for key in ("accept_len", "accept_rate_at_k", "speedup")}
         report["tau_vs_ngram"] = report["accept_len"] / ngram["accept_len"]
-        report["vs_ngram"] = vs_ngram(samples, ngram["samples"], temperature)
+        report["vs_ngram"] = vs_ngram(samples, ngram["samples"], s.temperature)
     # Calibration reads every position's confidences: a scheduled run verified only the drafts it was confident in.
     if rounds and rounds[0].confidences is not None and schedule is None:
-        report["calibration"] = _calibrate(rounds, gamma, out_dir, dataset)
-        if scheduler:
-            report["scheduler"] = _schedule(target, drafter.layer_ids, rounds, gamma, out_dir, seed)
+        report["calibration"] = _calibrate(rounds, gamma, out_dir, s.dataset)
+        if s.scheduler:
+            report["scheduler"] = _schedule(target, drafter.layer_ids, rounds, gamma, out_dir, s.seed)
     atomic_write_json(out_dir / "report.json", report)
     atomic_write_text(out_dir / "report.md", report_markdown(report))
     plot_acceptance(report, out_dir / "accept_rate.png")
@@ -256,11 +288,11 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
                 "draft_sha256": draft_digest(draft_dir)}
     if stage.start(eval_dir, settings, "eval", on_change="rerun") is not None:
         return read_json(Path(eval_dir) / "report.json")
-    report = run_eval(draft=str(draft_dir), target_name=recipe.target.name_or_path, dataset=recipe.eval.dataset,
-                      out_dir=eval_dir, num_samples=recipe.eval.num_samples, temperature=recipe.eval.temperature,
-                      block_size=None, max_new_tokens=recipe.eval.max_new_tokens, seed=recipe.seed,
-                      system_prompt=recipe.data.system_prompt, enable_thinking=recipe.regen.enable_thinking,
-                      target=target, ngram_baseline=recipe.eval.ngram_baseline)
+    report = run_eval(EvalSettings(
+        draft=str(draft_dir), target_name=recipe.target.name_or_path, dataset=recipe.eval.dataset, out_dir=eval_dir,
+        num_samples=recipe.eval.num_samples, temperature=recipe.eval.temperature, block_size=None,
+        max_new_tokens=recipe.eval.max_new_tokens, seed=recipe.seed, system_prompt=recipe.data.system_prompt,
+        enable_thinking=recipe.regen.enable_thinking, ngram_baseline=recipe.eval.ngram_baseline), target=target)
     # written last, after report.md and the plot: a crash before it reruns the stage
     stage.mark_done(eval_dir, {"accept_len": report["accept_len"]})
     return report

@@ -6,7 +6,7 @@
 Input: a draft folder (modeling/registry.py): `config.json`, whose `architectures[0]` is `Qwen3DSparkModel` for
 DSpark/DFlash or `LlamaForCausalLMEagle3` for Eagle3, and `model.safetensors` with the model's own state-dict keys.
 
-Which serving algorithm a draft maps to (SGLang names; export/serving.py `detect_algorithm`):
+Which serving algorithm a draft maps to (SGLang names; export/serving.py `detect_algorithm`, `serves_as_dflash`):
     LlamaForCausalLMEagle3                              -> EAGLE3  (LlamaForCausalLMEagle3)
     Qwen3DSparkModel, 1+N layout (sample_from_anchor=False), markov_rank=0, no confidence head
                                                         -> DFLASH  (DFlashDraftModel; dflash_config.block_size=gamma+1)
@@ -36,12 +36,15 @@ from core import stage
 from core.dist import fault_point
 from core.io import publish_dir, sha256_file
 from core.recipe import RecipeError, load_recipe
-from core.server import ALGORITHMS, ENGINES
+from core.server import ENGINES, SERVING_ALGORITHMS
 from export.serving import (SERVING_DTYPES, SPS_FILENAME, STS_FILENAME, SpsTable, check_sps_range, check_sts_length,
-                            covers_sglang_batches, detect_algorithm, load_sts, serve_command, sps_profile_note)
+                            covers_sglang_batches, detect_algorithm, load_sts, serve_command, serves_as_dflash,
+                            sps_profile_note)
+from modeling.dspark import block_length
 from modeling.registry import (CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config,
                                read_draft_weights)
 from modeling.target import resolve_target, target_shape
+from modeling.vocab import mapping_agrees
 
 # Parameter dtypes a draft may be stored in; all floating tensors of one draft must share one of them.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -128,8 +131,7 @@ def _anchor_first_refusal(cfg: dict) -> str:
 
 def _check_serving_support(cfg: dict, algorithm: str, target: str) -> None:
     if algorithm == "dflash" and cfg.get("architectures", [None])[0] == "Qwen3DSparkModel":
-        if cfg.get("sample_from_anchor") is not False or int(cfg.get("markov_rank", 0) or 0) != 0 \
-                or cfg.get("enable_confidence_head"):
+        if not serves_as_dflash(cfg):
             raise ValueError(f"cannot export as DFLASH: {_anchor_first_refusal(cfg)}")
     if algorithm == "dspark":
         _require(cfg, "mask_token_id", "block_size")
@@ -201,8 +203,8 @@ def sglang_config(cfg: dict, algorithm: str) -> dict:
         out["num_target_layers"] = int(cfg["num_target_layers"])
     if algorithm == "dflash":
         out["architectures"] = ["DFlashDraftModel"]
-        dflash["block_size"] = gamma + 1  # SGLang DFLASH: the full verify width of the 1+N block
-        out["block_size"] = gamma + 1
+        # SGLang DFLASH: block_size is the full verify width of the 1+N block, gamma + 1
+        dflash["block_size"] = out["block_size"] = block_length(gamma, sample_from_anchor=False)
         out["dflash_config"] = dflash
         return out
     rank = int(cfg.get("markov_rank", 0) or 0)
@@ -222,12 +224,6 @@ def _vllm_layer_ids(hf_output_ids: list[int]) -> list[int]:
     """vLLM numbers an aux hidden state by how many decoder layers produced it (id k = the input of layer k), so
     its ids are our HF layer-output ids + 1. Its speculators reader maps dflash/dspark ids back with k - 1."""
     return [i + 1 for i in hf_output_ids]
-
-
-def block_length_of(cfg: dict) -> int:
-    """Slots per block of a block draft's config.json: gamma anchor-first, gamma + 1 in the 1+N layout."""
-    gamma = int(cfg["block_size"])
-    return gamma if cfg.get("sample_from_anchor", True) else gamma + 1
 
 
 def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
@@ -257,7 +253,8 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
                "aux_hidden_state_layer_ids": _vllm_layer_ids(_block_layer_ids(cfg)),
                # speculators' block_size is the block's slot count: gamma anchor-first, gamma+1 in the 1+N layout
                # (it drafts block_size - 1 tokens there, and its own DFlash converter writes gamma+1).
-               "block_size": block_length_of(cfg), "mask_token_id": int(cfg["mask_token_id"]),
+               "block_size": block_length(int(cfg["block_size"]), cfg.get("sample_from_anchor", True)),
+               "mask_token_id": int(cfg["mask_token_id"]),
                "sample_from_anchor": bool(cfg.get("sample_from_anchor", True))}
         if algorithm == "dspark":
             out.update(markov_rank=rank, markov_head_type=cfg.get("markov_head_type", "vanilla"),
@@ -417,9 +414,7 @@ def _validate(state: dict[str, torch.Tensor], entries: list[Entry]) -> dict[str,
 
 
 def _check_eagle3_mapping(cfg: dict, state: dict[str, torch.Tensor]) -> None:
-    d2t, t2d = state["d2t"], state["t2d"]
-    kept = torch.arange(d2t.numel(), dtype=torch.int64) + d2t
-    if int(t2d.sum()) != d2t.numel() or not torch.equal(kept, torch.nonzero(t2d).reshape(-1)):
+    if not mapping_agrees(state["d2t"], state["t2d"]):
         raise ValueError("key 'd2t' disagrees with 't2d': arange(draft_vocab_size) + d2t must be the ids where t2d")
 
 
@@ -450,8 +445,8 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
         _check_replaceable(out_dir)
     detected = detect_algorithm(cfg)
     algorithm = algorithm or detected
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm not in SERVING_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {SERVING_ALGORITHMS}, got {algorithm!r}")
     if (algorithm == "eagle3") != (detected == "eagle3"):
         raise ValueError(f"a {cfg['architectures'][0]} draft cannot export as {algorithm.upper()}")
     _check_serving_support(cfg, algorithm, to)

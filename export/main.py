@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.io import LockedError, is_temporary, lock_for_process  # noqa: E402
-from core.server import ALGORITHMS, ENGINES  # noqa: E402
+from core.server import ENGINES, SERVING_ALGORITHMS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                         "model.safetensors), e.g. runs/<name>/train/final")
     parser.add_argument("--to", required=True, choices=ENGINES, help="serving engine format")
     parser.add_argument("--out", required=True, type=Path, help="output folder (must not exist unless --overwrite)")
-    parser.add_argument("--algorithm", choices=ALGORITHMS, default=None,
+    parser.add_argument("--algorithm", choices=SERVING_ALGORITHMS, default=None,
                         help="force the serving algorithm (default: from the config; DFLASH only for 1+N drafts)")
     parser.add_argument("--sts", type=Path, default=None, help="DSpark confidence calibration JSON to ship as "
                         "sts.json, one temperature per draft position (default: <checkpoint>/sts.json, else the "

@@ -23,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from core.io import atomic_write_json, read_json
-from core.server import vllm_server_command
+from core.server import SERVING_ALGORITHMS, vllm_server_command
 from modeling.registry import read_config
 
-SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "dflash": "DFLASH", "dspark": "DSPARK"}
+SGLANG_ALGORITHMS = {name: name.upper() for name in SERVING_ALGORITHMS}  # --speculative-algorithm's spelling
 STS_FILENAME = "sts.json"
 SPS_FILENAME = "sps_table.json"
 # SGLang 0.5.23 builds a DSpark draft's confidence head, reads the STS file and runs the SPS-table verify scheduler
@@ -55,17 +55,20 @@ SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  
 # Which algorithm, and the commands that serve it
 
 
+def serves_as_dflash(cfg: dict) -> bool:
+    """Whether a block draft's config is what SGLang DFLASH runs: the 1+N layout (sample_from_anchor=False),
+    markov_rank 0 and no confidence head. Every other block draft serves as DSPARK."""
+    return (cfg.get("sample_from_anchor") is False and int(cfg.get("markov_rank", 0) or 0) == 0
+            and not cfg.get("enable_confidence_head"))
+
+
 def detect_algorithm(cfg: dict) -> str:
-    """eagle3 | dflash | dspark from config `architectures[0]` and the block-draft flags."""
+    """eagle3 | dflash | dspark from config `architectures[0]` and the block-draft flags (`serves_as_dflash`)."""
     arch = (cfg.get("architectures") or [None])[0]
     if arch == "LlamaForCausalLMEagle3":
         return "eagle3"
     if arch in ("Qwen3DSparkModel", "DFlashDraftModel"):
-        rank = int(cfg.get("markov_rank", 0) or 0)
-        one_plus_n = cfg.get("sample_from_anchor") is False
-        if one_plus_n and rank == 0 and not cfg.get("enable_confidence_head"):
-            return "dflash"
-        return "dspark"
+        return "dflash" if serves_as_dflash(cfg) else "dspark"
     raise ValueError(f"config architectures[0]={arch!r}: expected LlamaForCausalLMEagle3 or Qwen3DSparkModel")
 
 

@@ -132,9 +132,10 @@ def build_dspark_config(
     return config
 
 
-def block_length(config) -> int:
-    """Slots per block: gamma (anchor-first) or gamma + 1 (1+N: the anchor slot makes no prediction)."""
-    return config.block_size if config.sample_from_anchor else config.block_size + 1
+def block_length(gamma: int, sample_from_anchor: bool) -> int:
+    """Slots per block of a draft proposing gamma tokens: gamma anchor-first, gamma + 1 in the 1+N layout (the anchor
+    slot makes no prediction). The model, and the export's configs that count slots (SGLang DFLASH, speculators)."""
+    return gamma if sample_from_anchor else gamma + 1
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -351,7 +352,7 @@ class DSparkModel(nn.Module):
         self.config = config
         hidden, vocab = config.hidden_size, config.vocab_size
         self.block_size = config.block_size  # gamma
-        self.block_len = block_length(config)
+        self.block_len = block_length(config.block_size, config.sample_from_anchor)
         self.mask_token_id = config.mask_token_id
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(DSparkDecoderLayer(config) for _ in range(config.num_hidden_layers))

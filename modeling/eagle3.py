@@ -4,13 +4,13 @@ What it is
     The draft head SGLang serves as `LlamaForCausalLMEagle3` (and vLLM as `eagle3`). At position t it reads the
     concatenated hidden states of K target layers (classically 3: low/mid/high; DeepSpec reads 5),
     h_t = fc([a_1; ...; a_K]_t) (H_target*K -> H), plus the embedding of the next token x_{t+1}, and predicts x_{t+2}
-    over a pruned draft vocabulary. Parameter and config names
+    over a pruned draft vocabulary (modeling/vocab.py). Parameter and config names
     are the serving names (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`), so SGLang export is an identity map
     minus `embed_tokens` (SGLang takes the target's embedding).
 
 How it is used
     config = build_eagle3_config(target.config, draft_vocab_size=32000, aux_layer_ids=[1, 15, 27])
-    counts = count_tokens(((ids, mask) for ids, mask in dataset), config.vocab_size)
+    counts = count_tokens(((ids, mask) for ids, mask in dataset), config.vocab_size)       # modeling/vocab.py
     d2t, t2d = build_vocab_mapping(counts, config.draft_vocab_size)
     draft = Eagle3Model.from_target(config, target, d2t, t2d)
     hiddens = draft.forward_train(input_ids, aux_hidden, attention_mask)       # ttt_length x [B, T, H]
@@ -34,8 +34,6 @@ Layers
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,6 +47,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from modeling.target import decoder_layers, init_fc_and_norm
+from modeling.vocab import mapping_agrees
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Config
@@ -101,56 +100,6 @@ def build_eagle3_config(
         ttt_length=ttt_length,
         num_target_layers=num_target_layers,  # lets the export refuse the last layer, which engines cannot capture
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Pruned draft vocabulary
-
-
-def count_tokens(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> torch.Tensor:
-    """Counts [vocab_size] int64 of the tokens at supervised positions (loss_mask != 0) over (input_ids, loss_mask)."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
-    for input_ids, loss_mask in samples:
-        ids = torch.as_tensor(input_ids).reshape(-1)
-        mask = torch.as_tensor(loss_mask).reshape(-1).bool()
-        if ids.shape != mask.shape:
-            raise ValueError(f"input_ids {tuple(ids.shape)} and loss_mask {tuple(mask.shape)} differ in length")
-        kept = ids[mask].long()
-        if kept.numel() and (kept.min() < 0 or kept.max() >= vocab_size):
-            raise ValueError(f"token id out of range 0..{vocab_size - 1}: min {kept.min()}, max {kept.max()}")
-        counts += torch.bincount(kept, minlength=vocab_size)
-    return counts
-
-
-def build_vocab_mapping(token_counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t [Vd] int64 offsets, t2d [V] bool) for the `draft_vocab_size` most frequent target tokens.
-
-    Ties go to the lower id, so unseen tokens (count 0) fill the remainder lowest id first. Kept ids are sorted by
-    target id; draft id i is the i-th kept id and target_id = i + d2t[i] (SGLang: hot_token_id = d2t + arange).
-    """
-    counts = torch.as_tensor(token_counts).reshape(-1)
-    vocab_size = counts.numel()
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab_size}")
-    # A stable descending sort keeps equal counts in ascending id order: that is the tie-break.
-    order = torch.sort(counts, descending=True, stable=True).indices
-    kept = torch.sort(order[:draft_vocab_size]).values.long()
-    d2t = kept - torch.arange(draft_vocab_size, dtype=torch.int64)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[kept] = True
-    return d2t, t2d
-
-
-def draft_to_target(ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """Draft ids -> target ids (any shape)."""
-    return ids + d2t.to(ids.device)[ids]
-
-
-def target_to_draft(ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
-    """Target ids -> draft ids (any shape); target ids outside the draft vocab map to -1 (callers mask them)."""
-    t2d = t2d.to(ids.device)
-    index = torch.cumsum(t2d.long(), 0) - 1  # draft id of each kept target id, by rank among kept ids
-    return torch.where(t2d[ids], index[ids], torch.full_like(ids, -1))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -307,8 +256,7 @@ class Eagle3Model(nn.Module):
             return
         if int(t2d.sum()) != vd:
             raise ValueError(f"t2d keeps {int(t2d.sum())} ids, draft_vocab_size is {vd}")
-        kept = torch.arange(vd) + d2t.cpu()
-        if not torch.equal(kept, torch.nonzero(t2d.cpu()).reshape(-1)):
+        if not mapping_agrees(d2t, t2d):
             raise ValueError("d2t and t2d disagree: arange(Vd) + d2t must be the sorted ids where t2d is True")
 
     @classmethod

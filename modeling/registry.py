@@ -23,7 +23,7 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 from core.io import publish_dir, sha256_file, verify_checksums
-from core.recipe import FAMILIES
+from core.recipe import BLOCK_FAMILIES, FAMILIES
 from modeling.draft_folder import (ARCHITECTURE_NAMES, CONFIG_NAME, TOKEN_MAP_NAME, WEIGHTS_NAME, architecture_name,
                                    read_config)
 from modeling.dspark import DSparkModel
@@ -47,7 +47,7 @@ class DraftArchitecture:
 
 
 ARCHITECTURES = {a.name: a for a in (
-    DraftArchitecture("Qwen3DSparkModel", DSparkModel, Qwen3Config, ("dspark", "dflash"),
+    DraftArchitecture("Qwen3DSparkModel", DSparkModel, Qwen3Config, BLOCK_FAMILIES,
                       {"embed_tokens.weight": "embed", "lm_head.weight": "head"}),
     # Eagle3's lm_head is its own (trained, draft vocabulary): only the embedding is the target's.
     DraftArchitecture("LlamaForCausalLMEagle3", Eagle3Model, LlamaConfig, ("eagle3",),

@@ -1,4 +1,4 @@
-"""EAGLE3 drafter (modeling/eagle3.py): vocab pruning, TTT mask, causality, no-leak parity, from_target, serving names.
+"""EAGLE3 drafter (modeling/eagle3.py): TTT mask, causality, no-leak parity, from_target, serving names.
 
 Tiny random models only (hidden 32, vocab 200, draft vocab 64, T <= 24); CPU, a few seconds.
 """
@@ -12,16 +12,8 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from modeling.eagle3 import (
-    Eagle3Model,
-    build_eagle3_config,
-    build_vocab_mapping,
-    count_tokens,
-    draft_to_target,
-    target_to_draft,
-    ttt_attention_mask,
-    ttt_valid_mask,
-)
+from modeling.eagle3 import Eagle3Model, build_eagle3_config, ttt_attention_mask, ttt_valid_mask
+from modeling.vocab import build_vocab_mapping
 
 V, VD, H = 200, 64, 32
 AUX = [0, 1, 2]
@@ -73,57 +65,6 @@ def inputs(batch: int = 2, seq_len: int = 12, seed: int = 1):
     ids = torch.randint(0, V, (batch, seq_len), generator=g)
     aux = torch.randn(batch, seq_len, len(AUX) * H, generator=g)
     return ids, aux
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Vocab mapping
-
-
-def test_vocab_mapping_hand_example():
-    # id:      0  1  2  3  4  5  6  7
-    counts = torch.tensor([5, 0, 9, 5, 0, 1, 9, 0])
-    d2t, t2d = build_vocab_mapping(counts, 4)
-    # top by count: 2 (9), 6 (9), then 0 and 3 tie at 5 -> both fit; sorted by id
-    assert t2d.tolist() == [True, False, True, True, False, False, True, False]
-    assert d2t.tolist() == [0 - 0, 2 - 1, 3 - 2, 6 - 3]
-    # tie at the cut: 0 and 3 both have 5, only one slot left after 2 and 6 -> the lower id (0) wins
-    d2t, t2d = build_vocab_mapping(counts, 3)
-    assert torch.nonzero(t2d).reshape(-1).tolist() == [0, 2, 6]
-    # fewer tokens seen than slots: fill with the lowest unseen ids (1, 4) after the 5 seen ones
-    d2t, t2d = build_vocab_mapping(counts, 7)
-    assert torch.nonzero(t2d).reshape(-1).tolist() == [0, 1, 2, 3, 4, 5, 6]
-    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
-    # many ties (a real-vocab-sized count vector): an unstable sort scrambles these, the rule says lowest ids first
-    big = torch.zeros(5000, dtype=torch.int64)
-    big[4000:] = 1
-    d2t, t2d = build_vocab_mapping(big, 1010)
-    assert torch.nonzero(t2d).reshape(-1).tolist() == list(range(10)) + list(range(4000, 5000))
-    with pytest.raises(ValueError):
-        build_vocab_mapping(counts, 9)
-
-
-def test_count_tokens_uses_supervised_positions_only():
-    samples = [
-        (torch.tensor([3, 4, 4, 7]), torch.tensor([0, 1, 1, 0])),
-        ([1, 3, 3], [1, 1, 0]),
-    ]
-    counts = count_tokens(samples, 8)
-    assert counts.tolist() == [0, 1, 0, 1, 2, 0, 0, 0]
-
-
-def test_vocab_round_trip():
-    d2t, t2d = random_mapping(seed=3)
-    assert int(t2d.sum()) == VD and d2t.shape == (VD,)
-    kept = torch.nonzero(t2d).reshape(-1)
-    assert torch.equal(torch.arange(VD) + d2t, kept)  # offsets reproduce the kept ids
-    draft_ids = target_to_draft(kept, t2d)
-    assert torch.equal(draft_ids, torch.arange(VD))
-    assert torch.equal(draft_to_target(draft_ids, d2t), kept)
-    dropped = torch.nonzero(~t2d).reshape(-1)
-    assert (target_to_draft(dropped, t2d) == -1).all()
-    # batched shapes pass through
-    ids = kept[torch.randint(0, VD, (2, 5))]
-    assert torch.equal(draft_to_target(target_to_draft(ids, t2d), d2t), ids)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ if str(ROOT) not in sys.path:
 from export.convert import export_draft  # noqa: E402
 from export.main import main as export_main  # noqa: E402
 from modeling.dspark import DSparkModel, build_dspark_config  # noqa: E402
-from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping  # noqa: E402
+from modeling.eagle3 import Eagle3Model, build_eagle3_config  # noqa: E402
 from modeling.registry import save_draft  # noqa: E402
+from modeling.vocab import build_vocab_mapping  # noqa: E402
 
 VOCAB, HIDDEN = 96, 32
 

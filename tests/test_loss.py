@@ -477,3 +477,31 @@ def test_eagle3_loss_norm_positions_divides_by_the_batch_tokens():
                                                                               "loss.eagle3_loss_norm=positions"]),
                                           records, [], "cpu")
     assert deepspec["weight_sum"] == 16.0 != token_mean["weight_sum"]
+
+
+def test_the_step_reaches_the_block_loss_as_an_argument(tiny_qwen3):
+    """loss.ce_warmup_steps: forward(batch, step) trains CE alone before that step and the recipe's weighted sum from
+    it on; the module keeps no step of its own."""
+    from core.recipe import load_recipe
+    from modeling.target import load_target
+    from train.algorithms import BlockAlgorithm, attach_hidden
+
+    recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", "draft.num_layers=1",
+                                             "draft.markov_rank=8", "draft.block_size=3", "loss.ce_warmup_steps=2"])
+    torch.manual_seed(0)
+    module = BlockAlgorithm.build(recipe, load_target(str(tiny_qwen3)), None)
+    width, hidden = len(recipe.target.layer_ids), module.draft.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    records = [{"input_ids": torch.randint(0, 1000, (16,), generator=g),
+                "loss_mask": torch.tensor([0] * 4 + [1] * 12, dtype=torch.uint8),
+                "hidden_states": torch.randn(16, width * hidden, generator=g),
+                "last_hidden_state": torch.randn(16, hidden, generator=g)}]
+    batch = attach_hidden(BlockAlgorithm.make_batch(recipe, records, [(0, 0, 0)], "cpu"), records, "cpu",
+                          torch.float32)
+    with torch.no_grad():
+        warm, trained = module(batch, 1), module(batch, 2)
+    loss = recipe.loss
+    assert warm.loss_sum.item() == pytest.approx(warm.ce_sum.item())
+    assert trained.loss_sum.item() == pytest.approx(loss.ce_alpha * trained.ce_sum.item() + loss.l1_alpha
+                                                    * trained.l1_sum.item() + loss.conf_alpha * trained.conf_sum.item())
+    assert trained.conf_sum.item() > 0 and not hasattr(module, "step")

@@ -34,9 +34,10 @@ from eval.scheduler import VerifySchedule
 from export.convert import export_draft
 from export.serving import SpsTable
 from modeling.dspark import DSparkModel, build_dspark_config
-from modeling.eagle3 import Eagle3Model, build_eagle3_config, build_vocab_mapping
+from modeling.eagle3 import Eagle3Model, build_eagle3_config
 from modeling.target import TargetRunner, capture_hidden_states, vocab_logits, weights_fingerprint
 from modeling.registry import TARGET_WEIGHTS_KEY, TargetMismatchError, save_draft
+from modeling.vocab import build_vocab_mapping
 
 V, H, LAYER_IDS, GAMMA = 300, 64, [0, 1, 2], 4
 PROMPTS = [[7], [3, 14, 15, 92, 65], [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]]

@@ -1,7 +1,8 @@
 """What differs between drafter families, behind one seam the Trainer calls.
 
 Each algorithm supplies:
-  build(recipe, target_model, cache) -> TrainModule   the drafter plus what its loss needs; forward(batch) -> loss out
+  build(recipe, target_model, cache) -> TrainModule   the drafter plus what its loss needs; forward(batch, step) ->
+                                              loss out (step: the optimizer step, which loss.ce_warmup_steps reads)
   make_batch(recipe, records, seeds, device)   padded tokens of some cache records (+ anchors, targets) and the
                                               batch's loss-weight sum; hidden states: attach_hidden
   accumulate(totals, out) / summarize(totals, dist, weight_total) -> metrics for the log
@@ -23,9 +24,9 @@ from torch import nn
 from modeling.dspark import (DSparkDecoderLayer, DSparkModel, block_targets, build_dspark_config,
                             sample_anchor_positions)
 from data.capture import read_loss_token_counts
-from modeling.eagle3 import (Eagle3DecoderLayer, Eagle3Model, build_eagle3_config, build_vocab_mapping,
-                            target_to_draft, ttt_valid_mask)
+from modeling.eagle3 import Eagle3DecoderLayer, Eagle3Model, build_eagle3_config, ttt_valid_mask
 from modeling.registry import architecture_for_family, save_draft
+from modeling.vocab import build_vocab_mapping, target_to_draft
 from train.copy_init import freeze_copy_attention, init_copy_attention
 from train.loss import block_loss, block_weight_sum, eagle3_loss, eagle3_weight_sum
 
@@ -166,18 +167,16 @@ class BlockTrainModule(_TrainModule):
         # the draft's drafting vocabulary (draft.draft_vocab). Rebuilt from the cache at every start: not in the state.
         self.register_buffer("loss_t2d", loss_t2d, persistent=False)
 
-    #: the optimizer step being computed; the trainer sets it before each forward (loss.ce_warmup_steps reads it).
-    step: int = 0
-
     def has_idle_params(self) -> bool:
         # the confidence head at conf_alpha 0, or during the CE-only first steps below
         loss = self.recipe.loss
         return self.draft.confidence_head is not None and (loss.conf_alpha == 0 or loss.ce_warmup_steps > 0)
 
-    def forward(self, batch: dict):
+    def forward(self, batch: dict, step: int):
+        """The loss sums of one micro-batch of optimizer step `step` (CE only during loss.ce_warmup_steps)."""
         loss = self.recipe.loss
         ce_alpha, l1_alpha, conf_alpha = loss.ce_alpha, loss.l1_alpha, loss.conf_alpha
-        if self.step < loss.ce_warmup_steps:
+        if step < loss.ce_warmup_steps:
             ce_alpha, l1_alpha, conf_alpha = 1.0, 0.0, 0.0
         draft_hidden = self.draft(batch["input_ids"], batch["hidden_states"], batch["anchor_positions"],
                                   attention_mask=batch["attention_mask"])
@@ -277,7 +276,8 @@ class Eagle3TrainModule(_TrainModule):
         super().__init__()
         self.draft, self.target_lm_head, self.recipe = draft, target_lm_head.requires_grad_(False), recipe
 
-    def forward(self, batch: dict):
+    def forward(self, batch: dict, step: int):
+        """The loss sums of one micro-batch (the same at every optimizer `step`)."""
         steps = self.recipe.draft.ttt_length
         step_hidden = self.draft.forward_train(batch["input_ids"], batch["hidden_states"], batch["attention_mask"],
                                                steps)
@@ -313,7 +313,8 @@ class Eagle3Algorithm:
         if recipe.loss.eagle3_loss_norm == "positions":  # DeepSpec: every step's sum over the batch's tokens
             batch["weight_sum"] = float(batch["attention_mask"].sum())
         else:
-            batch["weight_sum"] = eagle3_weight_sum(valid, recipe.loss.step_loss_decay)
+            counts = [v.sum().item() for v in valid]  # valid positions per TTT step
+            batch["weight_sum"] = float(eagle3_weight_sum(counts, recipe.loss.step_loss_decay))
         return batch
 
     @staticmethod
@@ -333,9 +334,9 @@ class Eagle3Algorithm:
         return {"loss": flat[0] / weight_total, "accept_rate": acc, "tau": tau}
 
 
-# Keyed by the registry's architecture: DSpark and DFlash are one model, hence one algorithm.
-ALGORITHMS = {"Qwen3DSparkModel": BlockAlgorithm, "LlamaForCausalLMEagle3": Eagle3Algorithm}
+# How each drafter trains, keyed by the registry's architecture: DSpark and DFlash are one model, hence one algorithm.
+TRAINING_ALGORITHMS = {"Qwen3DSparkModel": BlockAlgorithm, "LlamaForCausalLMEagle3": Eagle3Algorithm}
 
 
 def get_algorithm(family: str):
-    return ALGORITHMS[architecture_for_family(family).name]
+    return TRAINING_ALGORITHMS[architecture_for_family(family).name]

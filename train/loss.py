@@ -81,9 +81,15 @@ def block_weight_sum(valid: torch.Tensor, gamma_decay: float | None) -> float:
     return float((valid.double() * position_weights(valid.shape[-1], gamma_decay, dtype=torch.float64)).sum())
 
 
-def eagle3_weight_sum(valid: Sequence[torch.Tensor], step_decay: float) -> float:
-    """Eagle3's denominator for a batch: sum over TTT steps k of step_decay**k x (valid positions of step k)."""
-    return float(sum(step_decay**k * v.sum().item() for k, v in enumerate(valid)))
+def step_weights(steps: int, step_decay: float) -> list[float]:
+    """[steps]: Eagle3's weight of TTT step k = 0..steps-1, step_decay**k."""
+    return [float(step_decay) ** k for k in range(steps)]
+
+
+def eagle3_weight_sum(counts: Sequence, step_decay: float):
+    """Eagle3's denominator: sum over TTT steps k of step_decay**k x counts[k], the valid positions of step k (numbers,
+    or 0-d tensors for a tensor). The trainer adds a batch's up over micro-batches and ranks before dividing."""
+    return sum(w * c for w, c in zip(step_weights(len(counts), step_decay), counts))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -399,11 +405,11 @@ def eagle3_loss(
         weight, bias = weight.detach(), None if bias is None else bias.detach()
     vocab_d = weight.shape[0]
 
-    decays = [float(step_decay) ** k for k in range(steps)]
+    decays = step_weights(steps, step_decay)
     pos = torch.arange(t_len, device=device)
     valid = [valid[k] & (pos < t_len - k - 1) for k in range(steps)]
     counts = torch.stack([v.sum() for v in valid])
-    weight_sum = sum(d * c.float() for d, c in zip(decays, counts))
+    weight_sum = eagle3_weight_sum(counts.float(), step_decay)
 
     if chunk_size is None:
         chunk_size = auto_chunk_size(b * vocab_d * 4 * (steps + 1), chunk_bytes)
@@ -441,4 +447,5 @@ __all__ = [
     "eagle3_loss",
     "eagle3_weight_sum",
     "position_weights",
+    "step_weights",
 ]

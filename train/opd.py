@@ -32,7 +32,7 @@ from core.dist import Dist
 from core.io import publish_dir
 from modeling.registry import draft_digest, load_draft_model
 from train.rollout import answer_span, draft_matches, replay_rounds
-from train.trainer import run_train
+from train.trainer import TrainJob, run_train
 
 
 def draft_gamma(recipe) -> int:
@@ -126,8 +126,8 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
                        f"{len(indices)} training conversations")
         rollout_s = time.perf_counter() - t0
         round_dir = out_dir / f"round-{k:03d}"
-        run_train(round_recipe, RolloutRecords(records, indices, starts), round_dir, dist, get_target,
-                  init_from=draft_dir)
+        run_train(TrainJob(round_recipe, RolloutRecords(records, indices, starts), round_dir, dist, get_target,
+                           init_from=draft_dir))
         history.append({"round": k, "rollout_tau": tau, "rollout_rounds": len(accepted), "rollout_s": rollout_s,
                         "last_loss": stage.read_done(round_dir)["last"].get("loss")})
         draft_dir = round_dir / "final"

@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from modeling.dspark import DSparkModel, block_targets
-from modeling.eagle3 import Eagle3Model, draft_to_target
+from modeling.eagle3 import Eagle3Model
+from modeling.vocab import draft_to_target
 
 ANCHORS_PER_PASS = 256  # bounds the dense block mask of one DSpark pass: [A * block_len, T + A * block_len]
 

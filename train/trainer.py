@@ -24,7 +24,9 @@ import pickle
 import re
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +41,7 @@ from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model
 from train.algorithms import (add_feature_noise, attach_hidden, get_algorithm, input_scale, seeded_dropout,
                               set_dropout)
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
-from core.recipe import shareable_recipe_dict
+from core.recipe import Recipe, shareable_recipe_dict
 
 
 # --- data order ---------------------------------------------------------------------------------------------------
@@ -414,60 +416,72 @@ class Logger:
 # --- the stage ----------------------------------------------------------------------------------------------------
 
 
-def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: Path | None = None) -> dict:
-    """The `train` stage on an opened TargetCache, or on data/online.py's OnlineRecords (same interface: the target
-    computes each micro-batch's hidden states). `init_from`: a draft folder to start from instead of the recipe's
-    initialisation (train/opd.py's rounds). Returns the stats written to DONE.json."""
-    out_dir = Path(out_dir)
-    train = recipe.train
-    settings = {"family": recipe.family, "seed": recipe.seed, "draft": vars(recipe.draft), "loss": vars(recipe.loss),
-                # what only logs or disk use depends on may change between runs of one folder
-                "train": {k: v for k, v in vars(train).items()
-                          if k not in ("log_every", "wandb_project", "keep_checkpoints")},
-                "cache_index_sha256": cache.manifest.get("index_sha256"),
-                **({"init_from_sha256": draft_digest(init_from)} if init_from else {})}
-    done = stage.start(out_dir, settings, "train", dist.is_main)
-    if done is not None:
-        return done
+@dataclass(frozen=True)
+class TrainJob:
+    """What one train stage runs: the recipe, the records (an opened TargetCache, data/online.py's OnlineRecords or
+    train/opd.py's RolloutRecords: one interface), the folder it writes, its ranks, the target (loaded on first call),
+    and a draft folder to start from instead of the recipe's initialisation (`init_from`: opd's rounds)."""
 
-    per_step = train.micro_batch_size * dist.world_size
+    recipe: Recipe
+    cache: object
+    out_dir: Path
+    dist: Dist
+    get_target: Callable[[], torch.nn.Module]
+    init_from: Path | None = None
+
+
+def pinned_settings(job: TrainJob) -> dict:
+    """What a train folder is pinned to (core/stage.py): a rerun with other settings is refused, not resumed."""
+    recipe, train = job.recipe, job.recipe.train
+    return {"family": recipe.family, "seed": recipe.seed, "draft": vars(recipe.draft), "loss": vars(recipe.loss),
+            # what only logs or disk use depends on may change between runs of one folder
+            "train": {k: v for k, v in vars(train).items()
+                      if k not in ("log_every", "wandb_project", "keep_checkpoints")},
+            "cache_index_sha256": job.cache.manifest.get("index_sha256"),
+            **({"init_from_sha256": draft_digest(job.init_from)} if job.init_from else {})}
+
+
+def grad_accum_steps(recipe, dist: Dist) -> int:
+    """Micro-batches per rank in one optimizer step."""
+    train, per_step = recipe.train, recipe.train.micro_batch_size * dist.world_size
     if train.global_batch_size % per_step:
         raise ValueError(f"train.global_batch_size={train.global_batch_size} must be a multiple of "
                          f"train.micro_batch_size × ranks = {per_step}")
-    grad_accum = train.global_batch_size // per_step
-    algo = get_algorithm(recipe.family)
+    return train.global_batch_size // per_step
+
+
+def build_module(job: TrainJob, algo) -> torch.nn.Module:
+    """The drafter plus what its loss needs (frozen target head, ...), on the job's device; its forward(batch, step)
+    returns the loss sums, so DDP and DeepSpeed see one ordinary forward per micro-batch."""
+    recipe, init_from = job.recipe, job.init_from
     torch.manual_seed(recipe.seed)
-    # The drafter plus what its loss needs (frozen target head, ...); its forward(batch) returns the loss sums,
-    # so DDP and DeepSpeed see one ordinary forward per micro-batch.
-    module = algo.build(recipe, get_target(), cache)
+    module = algo.build(recipe, job.get_target(), job.cache)
     if init_from is not None:
-        module.draft.load_state_dict(load_draft_model(init_from, get_target(), dtype=torch.float32).state_dict())
+        module.draft.load_state_dict(load_draft_model(init_from, job.get_target(), dtype=torch.float32).state_dict())
     # The draft names the weights its hidden states came from; eval refuses a target with others (same shape).
-    trained_on = cache.manifest.get("meta", {}).get(TARGET_WEIGHTS_META) or (
+    trained_on = job.cache.manifest.get("meta", {}).get(TARGET_WEIGHTS_META) or (
         read_config(init_from).get(TARGET_WEIGHTS_KEY) if init_from is not None else None)
     if trained_on:
         setattr(module.draft.config, TARGET_WEIGHTS_KEY, trained_on)
-    set_dropout(module, train.dropout)
-    module = module.to(dist.device)
+    set_dropout(module, recipe.train.dropout)
+    module = module.to(job.dist.device)
     cpu_linear.pack_linears(module, prepack=False)  # fp32 on a CPU: oneDNN products (modeling/cpu_linear.py)
-    engine = Engine(module, recipe, dist, grad_accum)
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return module
 
-    ckpt_root = out_dir / "checkpoints"
-    start_step, first, last = 0, None, {}
-    resume = latest_checkpoint(ckpt_root)
-    if resume is not None:
-        state = load_checkpoint(engine, module, engine.optimizer, resume)
-        start_step = state["step"]
-        first = state.get("first_metrics")
-        last = state.get("last_metrics") or {}  # killed after the final save: the loop below does not run
-        dist.print(f"[train] resuming from {resume} (step {start_step})")
-    dist.print(f"[train] {recipe.family}: {trainable / 1e6:.2f}M trainable parameters, {len(cache)} conversations "
-               f"(hidden states: {train.hidden_states}), {train.max_steps} steps × {train.global_batch_size} sequences "
-               f"({dist.world_size} rank(s) × {train.micro_batch_size} × {grad_accum} accumulation), "
-               f"engine {engine.kind}{'' if engine.kind == 'ddp' else f' ZeRO-{train.zero_stage}'}")
 
-    logger = Logger(out_dir, recipe, dist, start_step)
+def resume(engine, module, ckpt_root: Path, dist: Dist) -> tuple[int, dict | None, dict]:
+    """(step to start at, first and last step metrics) from the checkpoint `latest` names; (0, None, {}) without."""
+    path = latest_checkpoint(ckpt_root)
+    if path is None:
+        return 0, None, {}
+    state = load_checkpoint(engine, module, engine.optimizer, path)
+    dist.print(f"[train] resuming from {path} (step {state['step']})")
+    # killed after the final save: the loop does not run, and these are the stage's stats
+    return state["step"], state.get("first_metrics"), state.get("last_metrics") or {}
+
+
+def numerics(recipe, dist: Dist) -> tuple[torch.dtype, object]:
+    """(the dtype a batch's hidden states are fed in, the autocast context of every forward)."""
     # DeepSpeed's bf16 mode keeps bf16 weights (fp32 masters inside): feed it bf16. Everywhere else bf16 is autocast
     # over fp32 weights (DDP on GPU; CPUs with bf16 matrix units, where it is several times faster than fp32).
     if precision(recipe, dist) == "bf16" and dist.device.type == "cpu" and not cpu_has_bf16_matmul():
@@ -477,30 +491,74 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
     input_dtype = torch.bfloat16 if weights_bf16 else torch.float32
     autocast = (torch.autocast(dist.device.type, dtype=torch.bfloat16)
                 if precision(recipe, dist) == "bf16" and not weights_bf16 else nullcontext())
+    return input_dtype, autocast
+
+
+def cut_batches(job: TrainJob, algo, step: int) -> tuple[list, list, list]:
+    """This rank's micro-batches of step `step`'s global batch: (records, each sample's seed, hidden-less batches)."""
+    recipe, dist, train = job.recipe, job.dist, job.recipe.train
+    indices = step_indices(step, len(job.cache), train.global_batch_size, recipe.seed)
+    positions = list(range(dist.rank, len(indices), dist.world_size))  # this rank's places in the global batch
+    parts = [positions[i: i + train.micro_batch_size] for i in range(0, len(positions), train.micro_batch_size)]
+    # Each record is read (and its crc checked) once per step; its hidden states stay memory-map views until
+    # attach_hidden copies them for the micro-batch's forward.
+    records = [[job.cache[indices[p]] for p in part] for part in parts]
+    # a sample's seed: its anchors, and its feature noise (train.feature_noise)
+    seeds = [[(recipe.seed, step, p) for p in part] for part in parts]
+    micro = [algo.make_batch(recipe, recs, seeds=part_seeds, device=dist.device)
+             for part_seeds, recs in zip(seeds, records)]
+    return records, seeds, micro
+
+
+def describe(job: TrainJob, module, engine: Engine, grad_accum: int) -> str:
+    """The line a run starts with: what trains, on what, how."""
+    recipe, dist, train = job.recipe, job.dist, job.recipe.train
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return (f"[train] {recipe.family}: {trainable / 1e6:.2f}M trainable parameters, {len(job.cache)} conversations "
+            f"(hidden states: {train.hidden_states}), {train.max_steps} steps × {train.global_batch_size} sequences "
+            f"({dist.world_size} rank(s) × {train.micro_batch_size} × {grad_accum} accumulation), "
+            f"engine {engine.kind}{'' if engine.kind == 'ddp' else f' ZeRO-{train.zero_stage}'}")
+
+
+def step_metrics(algo, totals: dict, micro: list[dict], dist: Dist, weight_total: float, *, lr: float,
+                 grad_norm: float | None, started: float, hidden_s: float) -> dict:
+    """The step's metrics over every rank: the family's (loss, tau, ...), then lr, grad norm and speed."""
+    metrics = algo.summarize(totals, dist, weight_total)
+    tokens, = dist.sum(sum(int(b["attention_mask"].sum()) for b in micro))
+    elapsed = dist.max(time.perf_counter() - started)
+    metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed, step_s=elapsed,
+                   hidden_s=dist.max(hidden_s))
+    return metrics
+
+
+def run_train(job: TrainJob) -> dict:
+    """The `train` stage: `job.recipe`'s drafter fitted on `job.cache` in `job.out_dir`, resumed from its latest
+    checkpoint. Returns the stats written to DONE.json."""
+    recipe, cache, dist, train = job.recipe, job.cache, job.dist, job.recipe.train
+    done = stage.start(job.out_dir, pinned_settings(job), "train", dist.is_main)
+    if done is not None:
+        return done
+    grad_accum = grad_accum_steps(recipe, dist)
+    algo = get_algorithm(recipe.family)
+    module = build_module(job, algo)
+    engine = Engine(module, recipe, dist, grad_accum)
+    ckpt_root = job.out_dir / "checkpoints"
+    start_step, first, last = resume(engine, module, ckpt_root, dist)
+    dist.print(describe(job, module, engine, grad_accum))
+    logger = Logger(job.out_dir, recipe, dist, start_step)
+    input_dtype, autocast = numerics(recipe, dist)
     noise_std = train.feature_noise * input_scale(cache, max_records=64) if train.feature_noise > 0 else None
     bar = tqdm(total=train.max_steps, initial=start_step, desc="train", unit="step", disable=not dist.is_main)
     for step in range(start_step, train.max_steps):
         t0 = time.perf_counter()
         # --- cut this rank's micro-batches of the global batch, and the global loss denominator
-        indices = step_indices(step, len(cache), train.global_batch_size, recipe.seed)
-        positions = list(range(dist.rank, len(indices), dist.world_size))  # this rank's places in the global batch
-        parts = [positions[i: i + train.micro_batch_size] for i in range(0, len(positions), train.micro_batch_size)]
-        # Each record is read (and its crc checked) once per step; its hidden states stay memory-map views until
-        # attach_hidden copies them for the micro-batch's forward.
-        records = [[cache[indices[p]] for p in part] for part in parts]
-        # a sample's seed: its anchors, and its feature noise (train.feature_noise)
-        seeds = [[(recipe.seed, step, p) for p in part] for part in parts]
-        micro = [algo.make_batch(recipe, recs, seeds=part_seeds, device=dist.device)
-                 for part_seeds, recs in zip(seeds, records)]
+        records, seeds, micro = cut_batches(job, algo, step)
         weight_total, = dist.sum(sum(b["weight_sum"] for b in micro))
         if weight_total <= 0:
             raise RuntimeError(f"step {step}: no supervised prediction in the global batch; check the cache's loss masks")
         # --- forward/backward every micro-batch, then one optimizer step
-        totals: dict = {}
-        grad_norm = None
+        totals, grad_norm, lr = {}, None, lr_at(step, recipe)
         hidden_s = 0.0  # reading (cache) or computing (online) the hidden states
-        lr = lr_at(step, recipe)
-        module.step = step  # step-dependent losses (loss.ce_warmup_steps)
         for i, (recs, batch) in enumerate(zip(records, micro)):
             last_micro = i == len(micro) - 1
             t_hidden = time.perf_counter()
@@ -510,7 +568,7 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
             hidden_s += time.perf_counter() - t_hidden
             with engine.sync_context(last_micro), autocast, \
                     seeded_dropout(train.dropout, (recipe.seed, step, dist.rank, i), dist.device):
-                out = engine.module(batch)
+                out = engine.module(batch, step)  # the step: step-dependent losses (loss.ce_warmup_steps)
                 # DDP and DeepSpeed average gradients over ranks: × world size undoes that.
                 loss = out.loss_sum / weight_total * dist.world_size
             # Collective check, so every rank stops together instead of one waiting in an all-reduce.
@@ -527,38 +585,37 @@ def run_train(recipe, cache, out_dir: Path, dist: Dist, get_target, init_from: P
             raise FloatingPointError(f"non-finite gradient norm at step {step}: stopping; the last good checkpoint "
                                      f"is {latest_checkpoint(ckpt_root) or 'none yet'}")
         # --- metrics (global), log, checkpoint
-        metrics = algo.summarize(totals, dist, weight_total)
-        tokens, = dist.sum(sum(int(b["attention_mask"].sum()) for b in micro))
-        elapsed = dist.max(time.perf_counter() - t0)
-        metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed, step_s=elapsed,
-                       hidden_s=dist.max(hidden_s))
-        first = first or metrics
-        last = metrics
+        metrics = step_metrics(algo, totals, micro, dist, weight_total, lr=lr, grad_norm=grad_norm, started=t0,
+                               hidden_s=hidden_s)
+        first, last = first or metrics, metrics
         logger.log(step + 1, metrics, to_dashboards=(step + 1) % train.log_every == 0 or step == 0)
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('tau', 0):.2f}", tok_s=f"{tokens / elapsed:.0f}")
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('tau', 0):.2f}",
+                        tok_s=f"{metrics['tokens_per_s']:.0f}")
         if (step + 1) % train.save_every == 0 or step + 1 == train.max_steps:
-            save_checkpoint(engine, module, engine.optimizer, step + 1, ckpt_root, dist, {"first_metrics": first, "last_metrics": last})
+            save_checkpoint(engine, module, engine.optimizer, step + 1, ckpt_root, dist,
+                            {"first_metrics": first, "last_metrics": last})
             if dist.is_main:
                 prune_checkpoints(ckpt_root, train.keep_checkpoints)
         fault_point("train", step + 1)
     bar.close()
     logger.close()
+    return finish(job, ckpt_root, first, last)
+
+
+def finish(job: TrainJob, ckpt_root: Path, first: dict | None, last: dict) -> dict:
+    """Copy the last checkpoint's draft folder to out/train/final and mark the stage done; returns its stats."""
+    train, dist = job.recipe.train, job.dist
     final = latest_checkpoint(ckpt_root)
     stats = {"steps": train.max_steps, "first": first, "last": last, "checkpoint": str(final)}
     if dist.is_main:
-        _export_final(final, out_dir)
-        stage.mark_done(out_dir, stats)
+        with publish_dir(job.out_dir / "final") as tmp:  # what eval and export read
+            shutil.copytree(final / "draft", tmp, dirs_exist_ok=True)
+            write_checksums(tmp)  # eval and export refuse a damaged file by name (read_draft_weights)
+        stage.mark_done(job.out_dir, stats)
         tau = "tau" in (first or {}) and "tau" in last
         loss = f"loss {first['loss']:.4f} -> {last['loss']:.4f}" if first and last else "no step metrics kept"
         print(f"[train] done: {loss}"
               + (f", training tau estimate {first['tau']:.3f} -> {last['tau']:.3f}" if tau else ""), flush=True)
     dist.barrier()
     return stats
-
-
-def _export_final(checkpoint: Path, out_dir: Path) -> None:
-    """Copy the last checkpoint's draft folder to out/train/final (what eval and export read)."""
-    with publish_dir(out_dir / "final") as tmp:
-        shutil.copytree(checkpoint / "draft", tmp, dirs_exist_ok=True)
-        write_checksums(tmp)  # eval and export refuse a damaged file by name (read_draft_weights)
