@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from core.dist import Dist  # noqa: E402
 from core.io import write_checksums  # noqa: E402
-from train.trainer import Engine, load_checkpoint, save_checkpoint  # noqa: E402
+from train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from train.trainer import Engine  # noqa: E402
 from test_resume import Payload, TinyDraft  # noqa: E402
 
 root, marker = Path(sys.argv[1]), Path(sys.argv[2])

@@ -256,7 +256,7 @@ def test_damage_after_a_stage_finished_is_refused_naming_the_file(clean, tiny_qw
 def test_a_checkpoint_stores_the_frozen_weights_once(clean):
     step = clean["out"] / "train" / "checkpoints" / "step-0000004"
     from safetensors.torch import load_file
-    from train.trainer import load_tensors
+    from train.checkpoint import load_tensors
 
     draft = load_file(str(step / "draft" / "model.safetensors"))
     trained = load_tensors(step / "trainer_state.pt")["model"]

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import train.checkpoint as checkpoint
 import train.trainer as trainer
 from conftest import ROOT
 from core.dist import Dist
@@ -30,18 +31,18 @@ def test_latest_pointer_is_a_plain_step_name_inside_the_checkpoint_folder(tmp_pa
     drill("corruption", "`latest` holding a path, a link, garbage")
     root = tmp_path / "checkpoints"
     make_checkpoints(root, [2, 4], latest="step-0000004")
-    assert trainer.latest_checkpoint(root) == root / "step-0000004"
+    assert checkpoint.latest_checkpoint(root) == root / "step-0000004"
     (tmp_path / "elsewhere").mkdir()
     for bad in ("../elsewhere", str(tmp_path / "elsewhere"), "step-4", "step-0000004/../step-0000002", ""):
         (root / "latest").write_text(bad + "\n")
         with pytest.raises(ValueError, match="step-0001000") as err:
-            trainer.latest_checkpoint(root)
+            checkpoint.latest_checkpoint(root)
         assert str(root / "latest") in str(err.value)
     # a link named like a checkpoint, pointing out of the folder
     (root / "latest").write_text("step-0000006\n")
     (root / "step-0000006").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(FileNotFoundError, match="a link"):
-        trainer.latest_checkpoint(root)
+        checkpoint.latest_checkpoint(root)
 
 
 def test_latest_naming_a_missing_folder_fails_naming_it(tmp_path, drill):
@@ -49,9 +50,9 @@ def test_latest_naming_a_missing_folder_fails_naming_it(tmp_path, drill):
     root = tmp_path / "checkpoints"
     make_checkpoints(root, [2], latest="step-0000004")
     with pytest.raises(FileNotFoundError) as err:
-        trainer.latest_checkpoint(root)
+        checkpoint.latest_checkpoint(root)
     assert str(root / "step-0000004") in str(err.value) and "delete" in str(err.value)
-    assert trainer.latest_checkpoint(tmp_path / "none-yet") is None
+    assert checkpoint.latest_checkpoint(tmp_path / "none-yet") is None
 
 
 class Payload:
@@ -79,7 +80,7 @@ def test_checkpoint_files_load_without_running_code(tmp_path, drill):
     torch.save({"optimizer": optimizer.state_dict()}, ckpt / "optimizer.pt")
     fresh = torch.nn.Linear(2, 2)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
-    state = trainer.load_checkpoint(engine, fresh, fresh_opt, ckpt)
+    state = checkpoint.load_checkpoint(engine, fresh, fresh_opt, ckpt)
     assert state["step"] == 2 and torch.equal(fresh.weight, module.weight)
     assert fresh_opt.state_dict()["state"][0]["step"] == 1
     # a crafted file is refused, naming it, and its code never runs
@@ -87,12 +88,12 @@ def test_checkpoint_files_load_without_running_code(tmp_path, drill):
         good = (ckpt / name).read_bytes()
         torch.save({"step": 2, "model": module.state_dict(), "optimizer": Payload(marker)}, ckpt / name)
         with pytest.raises(ValueError, match="could run code") as err:
-            trainer.load_checkpoint(engine, fresh, fresh_opt, ckpt)
+            checkpoint.load_checkpoint(engine, fresh, fresh_opt, ckpt)
         assert str(ckpt / name) in str(err.value)
         assert not marker.exists()
         (ckpt / name).write_bytes(good[: len(good) // 2])  # cut short (a full disk, a copy that stopped)
         with pytest.raises(ValueError, match="truncated or corrupt") as err:
-            trainer.load_checkpoint(engine, fresh, fresh_opt, ckpt)
+            checkpoint.load_checkpoint(engine, fresh, fresh_opt, ckpt)
         assert str(ckpt / name) in str(err.value)
         (ckpt / name).write_bytes(good)
 
@@ -105,7 +106,7 @@ class TinyDraft(torch.nn.Linear):
 
 def test_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
     events = []
-    real_fsync, real_write = os.fsync, trainer.atomic_write_text
+    real_fsync, real_write = os.fsync, checkpoint.atomic_write_text
 
     def fsync(fd):
         events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
@@ -116,11 +117,11 @@ def test_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
         return real_write(path, text)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(trainer, "atomic_write_text", write)
+    monkeypatch.setattr(checkpoint, "atomic_write_text", write)
     module = TinyDraft(2, 2)
     optimizer = torch.optim.AdamW(module.parameters())
     root = tmp_path / "checkpoints"
-    path = trainer.save_checkpoint(SimpleNamespace(kind="ddp"), module, optimizer, 2, root, Dist(), {})
+    path = checkpoint.save_checkpoint(SimpleNamespace(kind="ddp"), module, optimizer, 2, root, Dist(), {})
     published = events.index(("publish", str(root / "latest")))
     synced = {p for kind, p in events[:published] if kind == "fsync"}
     files = {os.path.realpath(p) for p in path.rglob("*")} | {os.path.realpath(path)}
@@ -131,10 +132,10 @@ def test_pruning_keeps_what_latest_names_and_leaves_newer_half_written_folders(t
     root = tmp_path / "checkpoints"
     # step-6 was being written when the run was killed: `latest` still names step-4
     make_checkpoints(root, [2, 4, 6], latest="step-0000004")
-    deleted = trainer.prune_checkpoints(root, keep=1)
+    deleted = checkpoint.prune_checkpoints(root, keep=1)
     assert [p.name for p in deleted] == ["step-0000002"]
     assert sorted(p.name for p in root.glob("step-*")) == ["step-0000004", "step-0000006"]
-    assert trainer.prune_checkpoints(root, keep=0) == []
+    assert checkpoint.prune_checkpoints(root, keep=0) == []
 
 
 def logger_recipe():

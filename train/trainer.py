@@ -4,7 +4,7 @@ computed per step by the target itself: train.hidden_states online, data/online.
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages train
 
 What differs between families lives in train/algorithms.py (build the drafter, cut a batch, compute the loss);
-this file is the loop: data order, gradient accumulation, optimizer, schedule, checkpoints, logging.
+this file is the loop: data order, gradient accumulation, optimizer, schedule, logging (checkpoints: train/checkpoint.py).
 
 Exactness rules, so a run killed at any step and rerun continues with the very same losses (bit-exact on CPU):
   * the data order of step s is a function of (seed, s) only: a seeded permutation per epoch of the cache;
@@ -20,8 +20,6 @@ import hashlib
 import json
 import math
 import os
-import pickle
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -33,11 +31,11 @@ import torch
 from tqdm.auto import tqdm
 
 from core import stage
-from core.io import (atomic_write_text, publish_dir, require_free_space, sync_tree, verify_checksums,
-                     write_checksums, write_failure)
+from core.io import atomic_write_text, publish_dir, write_checksums
 from data.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
-from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config, read_draft_weights
+from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
+from train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from train.algorithms import (add_feature_noise, attach_hidden, get_algorithm, input_scale, seeded_dropout,
                               set_dropout)
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
@@ -66,170 +64,6 @@ def lr_at(step: int, recipe) -> float:
         return train.lr * (step + 1) / warmup
     progress = (step - warmup) / max(1, train.max_steps - warmup)
     return train.lr * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-# --- checkpoints --------------------------------------------------------------------------------------------------
-
-
-CHECKPOINT_NAME = re.compile(r"step-\d{7}")
-
-
-def checkpoint_dir(ckpt_root: Path, step: int) -> Path:
-    return ckpt_root / f"step-{step:07d}"
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The checkpoint `latest` names, None before the first save. The pointer is only ever a plain step-NNNNNNN
-    folder name inside ckpt_root; anything else (a path, a link out, a missing folder) is refused, never guessed
-    around: starting over at step 0 would silently throw away the run's progress and its metrics."""
-    pointer = ckpt_root / "latest"
-    if not pointer.exists() and not pointer.is_symlink():
-        return None
-    name = pointer.read_text(errors="replace").strip() if pointer.is_file() and not pointer.is_symlink() else None
-    if name is None or not CHECKPOINT_NAME.fullmatch(name):
-        raise ValueError(f"{pointer} must be a file holding a checkpoint folder name like step-0001000, got "
-                         f"{'a link or folder' if name is None else repr(name[:100])}: refusing to resume from it. "
-                         f"Write the name of a complete checkpoint folder of {ckpt_root} into it, or delete "
-                         f"{ckpt_root} to train from step 0")
-    path = ckpt_root / name
-    if path.is_symlink() or not path.is_dir():
-        raise FileNotFoundError(f"{pointer} names {path}, which is {'a link' if path.is_symlink() else 'missing'}: "
-                                f"refusing to restart from step 0 over the run's metrics. Restore that folder, point "
-                                f"{pointer} at another complete checkpoint, or delete {ckpt_root} to train from "
-                                f"step 0")
-    return path
-
-
-def frozen_names(module) -> set[str]:
-    """The state-dict names of `module`'s frozen parameters (the target's embedding and lm_head copies, a frozen copy
-    attention): a checkpoint keeps them once, in its draft folder, not again in trainer_state.pt or DeepSpeed's
-    model states (an 8B target's embedding and lm_head are 2.4 GB in bf16)."""
-    return {name for name, param in module.named_parameters() if not param.requires_grad}
-
-
-def checkpoint_bytes(module) -> int:
-    """About what one checkpoint takes on disk: the draft's weights, the trainable ones again with two AdamW moments
-    (fp32) each."""
-    weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return weights + trainable * (4 + 2 * 4)
-
-
-def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist: Dist, extra: dict) -> Path:
-    path = checkpoint_dir(ckpt_root, step)
-    if dist.is_main:
-        require_free_space(ckpt_root, checkpoint_bytes(module), f"checkpoint {path.name}")
-        path.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    frozen = frozen_names(module)
-    try:
-        if engine.kind == "deepspeed":
-            engine.module.save_checkpoint(str(path), tag="zero", exclude_frozen_parameters=True)
-        elif dist.is_main:
-            torch.save({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
-        if dist.is_main:
-            module.save_draft(path / "draft")
-            fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last
-            trained = {name: value for name, value in module.state_dict().items() if name not in frozen}
-            torch.save({"step": step, "model": trained, **extra}, path / "trainer_state.pt")
-    except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError ('iostream error')
-        raise write_failure(path, err) from err
-    dist.barrier()
-    if dist.is_main:
-        write_checksums(path)  # a resume refuses a damaged file by name instead of training on it
-        # On the disk before `latest` names it (and before pruning deletes the older ones): after a power cut,
-        # `latest` never points at files still in the page cache only.
-        sync_tree(path)
-        atomic_write_text(ckpt_root / "latest", path.name + "\n")
-    dist.barrier()
-    return path
-
-
-def prune_checkpoints(ckpt_root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` complete step folders (0 keeps all): those up to the one `latest` names,
-    never that one, never a newer (half-written) one. Called only after `latest` names a complete newer checkpoint,
-    so a crash mid-delete still leaves one to resume from; a half-deleted old folder is just deleted again next
-    time."""
-    latest = latest_checkpoint(ckpt_root)
-    if latest is None or keep <= 0:
-        return []
-    steps = sorted(p for p in ckpt_root.iterdir()
-                   if CHECKPOINT_NAME.fullmatch(p.name) and p.is_dir() and p.name <= latest.name)
-    stale = steps[:-keep]
-    for path in stale:
-        shutil.rmtree(path)
-    return stale
-
-
-def load_tensors(path: Path, map_location="cpu") -> dict:
-    """torch.load of a file we wrote (tensors, numbers, strings, lists, dicts) without unpickling anything else: a
-    checkpoint from a shared or copied run folder must not be able to run code."""
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        raise ValueError(f"{path} holds more than tensors and plain values, refused (unpickling it could run code); "
-                         f"it is not a checkpoint this trainer wrote. Delete its checkpoint folder and write the name "
-                         f"of another one into the checkpoints' `latest` file. ({str(err).splitlines()[0]})") from None
-    except (RuntimeError, EOFError) as err:  # torch names no file when the zip is cut short or damaged
-        raise ValueError(f"{path} is unreadable (truncated or corrupt: {str(err).splitlines()[0]}). Delete its "
-                         f"checkpoint folder and write the name of an older one into the checkpoints' `latest` "
-                         f"file, or delete the checkpoints to train from step 0") from None
-
-
-#: the classes DeepSpeed ZeRO-1/2 pickles into its optimizer states besides tensors and plain values
-DEEPSPEED_CHECKPOINT_CLASSES = ("deepspeed.utils.tensor_fragment.fragment_address",
-                                "deepspeed.runtime.zero.config.ZeroStageEnum",
-                                "deepspeed.runtime.fp16.loss_scaler.LossScaler")
-
-
-def _safe_deepspeed_loads(ds_engine) -> None:
-    """DeepSpeed's checkpoint engine unpickles with weights_only=False: load its files with weights_only=True
-    instead, allowing only the few DeepSpeed classes its ZeRO-1/2 states hold."""
-    import importlib
-
-    classes = [getattr(importlib.import_module(module), name)
-               for module, name in (dotted.rsplit(".", 1) for dotted in DEEPSPEED_CHECKPOINT_CLASSES)]
-
-    def load(path, map_location=None):
-        with torch.serialization.safe_globals(classes):
-            return load_tensors(Path(path), map_location)
-
-    ds_engine.checkpoint_engine.load = load
-
-
-def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
-    try:
-        verify_checksums(path)
-    except ValueError as err:
-        raise ValueError(f"{err}: refusing to resume from it. Delete {path} and write the name of an older "
-                         f"checkpoint into the checkpoints' `latest` file, or delete the checkpoints to train from "
-                         f"step 0") from None
-    state = load_tensors(path / "trainer_state.pt")
-    if engine.kind == "deepspeed":
-        _safe_deepspeed_loads(engine.module)
-        engine.module.load_checkpoint(str(path), tag="zero", load_optimizer_states=True,
-                                      load_lr_scheduler_states=False, load_module_strict=False)
-    else:
-        missing, unexpected = module.load_state_dict(state["model"], strict=False)
-        missing = set(missing) - frozen_names(module)  # the frozen ones come from the draft folder below
-        if unexpected or missing:
-            raise ValueError(f"{path / 'trainer_state.pt'} does not match this recipe's model: missing "
-                             f"{sorted(missing)}, unexpected {sorted(unexpected)}")
-        optimizer.load_state_dict(load_tensors(path / "optimizer.pt")["optimizer"])
-    _restore_frozen(module, path / "draft")
-    return state
-
-
-def _restore_frozen(module, draft_dir: Path) -> None:
-    """The frozen parameters as the checkpoint's draft folder holds them (their one copy in a checkpoint). The rest
-    (Eagle3's target lm_head) is the target's own, as built."""
-    names = sorted(name for name in frozen_names(module) if name.startswith("draft."))
-    if not names:
-        return
-    weights = read_draft_weights(draft_dir)
-    with torch.no_grad():
-        for name in names:
-            module.get_parameter(name).copy_(weights[name.removeprefix("draft.")])
 
 
 # --- engine: plain DDP or DeepSpeed ZeRO ------------------------------------------------------------------------
