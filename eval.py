@@ -126,6 +126,10 @@ def main(argv=None) -> int:
     parser.add_argument("--full-vocab", action="store_true",
                         help="draft over the whole vocabulary although the draft folder has a token map (the tokens "
                              "it was trained over, token_map.pt), as SGLang and vLLM serve it; --live always does")
+    parser.add_argument("--lookup-first", type=int, default=0, metavar="N",
+                        help="propose prompt lookup's continuation whenever the context's last N (or more) tokens "
+                             "occurred before, the draft's otherwise (a copy path measured here; no serving engine "
+                             "runs it). 0 = off (default)")
     live = parser.add_argument_group("live serving check (--live)")
     live.add_argument("--live", action="store_true", help="serve the draft in --engine and compare with offline tau")
     live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")
@@ -161,7 +165,7 @@ def main(argv=None) -> int:
             max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
             dataset_path=args.dataset_path, scheduler=not args.no_scheduler, hf_generate=args.hf_generate,
             ngram_baseline=args.ngram_baseline, any_target=args.any_target, full_vocab=args.full_vocab,
-            verify_schedule=args.schedule, sts_path=args.sts))
+            verify_schedule=args.schedule, sts_path=args.sts, lookup_first=args.lookup_first))
     except (TargetMismatchError, ScheduleError) as exc:
         print(f"[eval] refused: {exc}", file=sys.stderr)
         return 2

@@ -201,8 +201,8 @@ def eval_records(eval_run: Path) -> list[dict]:
 
 def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id) -> list[dict]:
     """Replayed held-out tau of every checkpoint, against the training minutes spent to reach it, with the tallies
-    behind it and behind the per-round oracle chooser between the checkpoint and prompt lookup (`oracle`,
-    eval/replay.py): the paired intervals and per-source tables of eval/compare.py read them."""
+    behind it and behind the per-round oracle chooser between the checkpoint and prompt lookup (`oracle`) and the
+    lookup-first rule (`lookup_first`, eval/replay.py): the paired intervals and per-source tables of eval/compare.py read them."""
     from eval.replay import replay_records
     from modeling.registry import load_draft_model
 
@@ -219,7 +219,7 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
         replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
         copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
                                           "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds",
-                                          "oracle")}
+                                          "oracle", "lookup_first")}
         points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"], **copying})
         print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}; first "
               f"draft right at {copying['first_draft_right_at_lookup_hits']:.3f} of the positions prompt lookup gets "

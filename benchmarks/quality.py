@@ -176,6 +176,11 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def at(temperature: float) -> str:
+    """The suffix of a real-loop run's name at a temperature other than 0 (T=0 runs keep their plain names)."""
+    return "" if temperature == 0 else f"@T={temperature:g}"
+
+
 def arm_ratios(curves: dict, arms: list[tuple[str, str]]) -> list[str]:
     """Each arm's held-out tau over its family's recipe run, checkpoint by checkpoint (equal steps: the same
     batches and schedule, so checkpoint k of one against checkpoint k of the other), with paired_ratio's interval."""
@@ -221,10 +226,17 @@ def oracle_note(points: list[dict] | None, ratio_name: str) -> str:
 
 def replayed_vs_ngram(curves: dict, ngram: dict, records: list[dict]) -> dict:
     """Each run's final draft against prompt lookup, both replayed on the held-out records: eval/compare.py's rows per
-    source, copy-heavy / rest and overall, with the oracle chooser's tau; runs saved without tallies are left out."""
-    sources = [r["source"] for r in records]
-    return {name: source_rows(points[-1], ngram, sources, points[-1].get("oracle"))
-            for name, points in curves.items() if "per_record_rounds" in points[-1]}
+    source, copy-heavy / rest and overall, with the oracle chooser's tau, and the same for the lookup-first rule at each
+    match length n (eval/replay.py); runs saved without tallies are left out."""
+    sources, rows = [r["source"] for r in records], {}
+    for name, points in curves.items():
+        final = points[-1]
+        if "per_record_rounds" not in final:
+            continue
+        rows[name] = source_rows(final, ngram, sources, final.get("oracle"))
+        for n, tally in final.get("lookup_first", {}).items():  # lookup's proposal when it matched >= n tokens
+            rows[f"{name}, lookup first (n >= {n})"] = source_rows(tally, ngram, sources, final.get("oracle"))
+    return rows
 
 
 def source_tables(vs_ngram: dict) -> list[str]:
@@ -258,6 +270,13 @@ def main() -> int:
     parser.add_argument("--curve-points", type=int, default=5, help="checkpoints replayed for the curve (5)")
     parser.add_argument("--report-only", action="store_true",
                         help="rewrite quality.md and learning_curve.png from OUT/quality.json, training nothing")
+    parser.add_argument("--lookup-first", type=int, action="append", default=[], metavar="N",
+                        help="also run each final draft in the real loop with prompt lookup first (its proposal "
+                             "whenever the context's last N tokens occurred before; eval.py --lookup-first): "
+                             "repeatable. Its replays at every N are always reported")
+    parser.add_argument("--temperatures", type=lambda text: [float(t) for t in text.split(",")], default=[0.0],
+                        help="real-loop temperatures, comma-separated (default 0; e.g. 0,1 adds every drafter and "
+                             "the n-gram drafter at T=1 with per-source ratios; the ratios list is T=0's)")
     parser.add_argument("--curve-only", action="store_true",
                         help="stop after the learning curves (OUT/curves.json, with prompt lookup replayed on the "
                              "same prompts): no real loop, no HF generate; for comparing training arms at equal "
@@ -273,6 +292,8 @@ def main() -> int:
                         metavar="FILE=WEIGHT", help="a local prompt file added to the training sources with that "
                         "weight (ShareGPT's is 1); never the held-out sources")
     args = parser.parse_args()
+    if 0.0 not in args.temperatures:
+        parser.error("--temperatures must include 0 (the ratios and speedups are T=0's)")
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = set(families) - set(FAMILIES)
     if unknown:
@@ -382,23 +403,29 @@ def main() -> int:
     # --- 4. the real loop on the held-out prompts, baselines in the same process ------------------------------------
     target = load_target("smollm2-135m-instruct", "cuda" if torch.cuda.is_available() else "cpu")
     baselines, drafters, samples = {}, {}, {}
-    for name in families + ["ngram"]:
-        draft = str(out / name / "train" / "final") if name in FAMILIES else name
+    # (name, draft, lookup-first n, temperature): T=0 first (the ratios), then each --temperatures T > 0
+    loop_runs = [(f, f, 0) for f in families] + [(f"{f}+lookup{n}", f, n) for f in families for n in args.lookup_first]
+    loop_runs = [(name + at(t), draft, n, t) for t in sorted(set(args.temperatures))
+                 for name, draft, n in loop_runs + [("ngram", "ngram", 0)]]
+    for name, draft, n, temperature in loop_runs:
+        draft = str(out / draft / "train" / "final") if draft in FAMILIES else draft
         report = run_eval(EvalSettings(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
-                                       out_dir=out / "eval" / name, num_samples=0, temperature=0.0, block_size=7,
-                                       max_new_tokens=args.max_new_tokens, scheduler=False, hf_generate=True),
-                          target=target, baselines=baselines)
+                                       out_dir=out / "eval" / name, num_samples=0, temperature=temperature,
+                                       block_size=7, max_new_tokens=args.max_new_tokens, scheduler=False,
+                                       hf_generate=True, lookup_first=n), target=target, baselines=baselines)
         drafters[name] = {**trained.get(name, {}), "report": {k: v for k, v in report.items() if k != "samples"}}
         samples[name] = report["samples"]
-        print(f"[quality] {name}: tau {report['accept_len']:.3f}, speedup {report['speedup']:.2f}x, "
-              f"{report['speedup_vs_generate']:.2f}x of HF generate", flush=True)
+        print(f"[quality] {name}: tau {report['accept_len']:.3f}, speedup {report['speedup']:.2f}x"
+              + (f", {report['speedup_vs_generate']:.2f}x of HF generate" if "speedup_vs_generate" in report else ""),
+              flush=True)
 
     tau = {name: row["report"]["accept_len"] for name, row in drafters.items()}
     ratios = {}
     if "dspark" in tau:
         ratios.update({f"dspark/{other}": ratio(tau["dspark"], tau[other]) for other in FAMILIES
                        if other != "dspark" and other in tau})
-    ratios.update({f"{f}/ngram": ratio(tau[f], tau["ngram"]) for f in families})
+    ratios.update({f"{name}/ngram": ratio(tau[name], tau["ngram"]) for name, _, _, t in loop_runs
+                   if t == 0 and name != "ngram"})
     first = next(iter(drafters.values()))["report"]
     result = {"budget_s": None if args.steps else args.budget_s, "steps": args.steps, "nproc": args.nproc,
               "train_data": args.train_data, "regen_backend": args.regen_backend, "gamma": 7,
@@ -409,7 +436,8 @@ def main() -> int:
               "hf_generate_tokens_per_s": first["hf_generate_tokens_per_s"], "drafters": drafters,
               "ratios": ratios, "curves": curves, "arms": arm_pairs, "records": records, "ngram": ngram,
               "vs_ngram": replayed,
-              "loop_vs_ngram": {f: vs_ngram(samples[f], samples["ngram"], 0.0) for f in families}}
+              "loop_vs_ngram": {name: vs_ngram(samples[name], samples["ngram" + at(t)], t)
+                                for name, _, _, t in loop_runs if not name.startswith("ngram")}}
     (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
     return write_reports(result, out)
 

@@ -6,7 +6,9 @@ the real loop (eval/run.py).
 
 At T=0 the answer is fixed whoever drafts, so a per-round choice between prompt lookup's proposal and the drafter's
 replays exactly too: the oracle chooser takes, each round, whichever proposal has the longer accepted prefix
-(oracle_matches), the headroom of any rule that picks one of the two per round.
+(oracle_matches), the headroom of any rule that picks one of the two per round; the lookup-first rule
+(eval.spec_decode.LookupFirstDrafter) takes lookup's whenever its match is at least n tokens long, a rule the
+loop can run (lookup_first_matches).
 
     report = replay_records(model, records, gamma, max_new_tokens, tokenizer.eos_token_id)  # {"accept_len", ...}
 """
@@ -24,21 +26,25 @@ def replay_records(model, records, gamma: int, max_new_tokens: int | None = None
     """Replayed T=0 acceptance over the first answer of every record: the report fields of eval/run.py
     (accept_len, accept_rate_at_k, cond_accept_rate_at_k, verify_rate, num_rounds) plus per-record taus (and the
     tokens and rounds behind them), for a drafter other than prompt lookup the per-round oracle chooser between the
-    two (`oracle`: its replayed_tau and per-record tokens and rounds), and whether the drafter copies: over every
+    two (`oracle`: its replayed_tau and per-record tokens and rounds) and the lookup-first rule at each match length
+    n (`lookup_first`: {n: the same}), and whether the drafter copies: over every
     answer position, the share where prompt lookup (the n-gram drafter) proposes the right next token, and the
     drafter's first-draft accuracy there and at the other positions.
     model: a draft model, or an eval.spec_decode.NgramDrafter (prompt lookup needs no hidden states: its tau on the
     same records, the baseline beside a learning curve). eos_token_id: the tokenizer's, so that an answer ends where
     the loop stops (answer_span)."""
     lookup = model if isinstance(model, NgramDrafter) else NgramDrafter()
-    rounds, chosen, hit_rows, right_rows = [], [], [], []
+    rounds, chosen, hit_rows, right_rows, copied = [], [], [], [], {}
     for record in records:
         first, end = answer_span(record, max_new_tokens, eos_token_id)
-        looked_up = lookup_matches(record["input_ids"].tolist(), gamma, lookup.max_n, lookup.min_n)
+        looked_up, order = lookup_proposals(record["input_ids"].tolist(), gamma, lookup.max_n, lookup.min_n)
         matches = looked_up if model is lookup else draft_matches(model, record, gamma)
         rounds.append(replay_rounds(matches, first, end, gamma))
         if model is not lookup:
             chosen.append(replay_rounds(oracle_matches(matches, looked_up), first, end, gamma))
+            for n in range(lookup.min_n, lookup.max_n + 1):
+                copied.setdefault(n, []).append(
+                    replay_rounds(lookup_first_matches(matches, looked_up, order, n), first, end, gamma))
         hit_rows.append(looked_up[first: end - 1, 0])  # pending positions
         right_rows.append(matches[first: end - 1, 0])
     hits, right = torch.cat(hit_rows), torch.cat(right_rows)
@@ -51,7 +57,9 @@ def replay_records(model, records, gamma: int, max_new_tokens: int | None = None
             "lookup_hit_share": hits.float().mean().item() if hits.numel() else 0.0,
             "first_draft_right_at_lookup_hits": right[hits].float().mean().item() if hits.any() else 0.0,
             "first_draft_right_elsewhere": right[~hits].float().mean().item() if (~hits).any() else 0.0,
-            **({"oracle": record_tally(chosen, with_tau=True)} if chosen else {})}
+            **({"oracle": record_tally(chosen, with_tau=True)} if chosen else {}),
+            **({"lookup_first": {str(n): record_tally(mine, with_tau=True) for n, mine in copied.items()}}
+               if copied else {})}
 
 
 def record_tally(rounds: list[list], with_tau: bool = False) -> dict:
@@ -76,6 +84,12 @@ def oracle_matches(draft: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
     return torch.where((accepted_prefix(draft) >= accepted_prefix(lookup))[:, None], draft, lookup)
 
 
+def lookup_first_matches(draft: torch.Tensor, lookup: torch.Tensor, order: torch.Tensor, min_n: int) -> torch.Tensor:
+    """[S, gamma] the matches of the lookup-first rule: lookup's proposal where it matched at least min_n tokens of
+    the context (order, from lookup_proposals), the drafter's elsewhere."""
+    return torch.where((order >= min_n)[:, None], lookup, draft)
+
+
 def lookup_hits(input_ids: torch.Tensor, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
     """[B, S] bool: position a is True when prompt lookup over input_ids[: a + 1] proposes input_ids[a + 1] first."""
     return torch.stack([lookup_matches(ids, 1, max_n, min_n)[:, 0] for ids in input_ids.tolist()])
@@ -83,12 +97,19 @@ def lookup_hits(input_ids: torch.Tensor, max_n: int = 3, min_n: int = 1) -> torc
 
 def lookup_matches(ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
     """[S, gamma] bool, draft_matches for prompt lookup: entry [a, j-1] says whether the n-gram drafter, run over
-    ids[: a + 1], proposes ids[a + j] as its draft j (False past its proposal or the sequence).
+    ids[: a + 1], proposes ids[a + j] as its draft j (False past its proposal or the sequence)."""
+    return lookup_proposals(ids, gamma, max_n, min_n)[0]
+
+
+def lookup_proposals(ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lookup_matches [S, gamma], order [S] int: the length n of the context suffix lookup matched at each
+    position, 0 where it proposes nothing).
 
     The rule of eval's NgramDrafter: the most recent earlier occurrence of the last n tokens, n = max_n..min_n,
     proposes the (up to gamma) tokens that followed it. One pass, a dict per n of each n-gram's latest end.
     """
     out = torch.zeros(len(ids), gamma, dtype=torch.bool)
+    order = torch.zeros(len(ids), dtype=torch.long)
     latest_end = [dict() for _ in range(max_n + 1)]
     for a in range(len(ids) - 1):
         for n in range(min(max_n, a + 1), min_n - 1, -1):
@@ -97,7 +118,8 @@ def lookup_matches(ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -
                 proposal = ids[end + 1: min(end + 1 + gamma, a + 1)]
                 for j, token in enumerate(proposal[: len(ids) - a - 1]):
                     out[a, j] = token == ids[a + j + 1]
+                order[a] = n
                 break
         for n in range(min_n, min(max_n, a + 1) + 1):
             latest_end[n][tuple(ids[a - n + 1: a + 1])] = a
-    return out
+    return out, order

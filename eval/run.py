@@ -39,8 +39,8 @@ from eval import SCHEDULES
 from eval.compare import record_source, source_rows, source_table, tally
 from eval.calibration import calibrate_sts, calibration_report, logits_from_probs, prefix_labels
 from eval.scheduler import VerifySchedule, format_table, profile_sps, simulate
-from eval.spec_decode import (DraftLMDrafter, GenerationResult, NgramDrafter, is_greedy, load_draft,
-                              speculative_generate, sync_clock, target_generate)
+from eval.spec_decode import (DraftLMDrafter, GenerationResult, LookupFirstDrafter, NgramDrafter, is_greedy,
+                              load_draft, speculative_generate, sync_clock, target_generate)
 from export.serving import SpsTable, load_sts, save_sts
 from modeling.registry import draft_digest
 from modeling.target import TargetRunner, load_target, load_tokenizer
@@ -133,6 +133,9 @@ class EvalSettings:
     admits each round (eval/scheduler.py VerifySchedule), from the confidence head calibrated with `sts_path` (an
     sts.json written by an eval on other prompts; None: uncalibrated) and this machine's verify cost, profiled
     through the loop's own cache (`loop_sps_table.json`). Report `verify_schedule`.
+    lookup_first: n > 0 proposes prompt lookup's continuation whenever the context's last n or more tokens occurred
+    before, the draft's otherwise (eval/spec_decode.py LookupFirstDrafter; no serving engine runs it). Report
+    `lookup_first` and `copied_round_share`.
     """
 
     draft: str
@@ -155,6 +158,7 @@ class EvalSettings:
     full_vocab: bool = False
     verify_schedule: str = "fixed"
     sts_path: str | None = None
+    lookup_first: int = 0
 
 
 def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = None) -> dict:
@@ -167,12 +171,18 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
     s = settings
     if s.verify_schedule not in SCHEDULES:
         raise ScheduleError(f"unknown verify schedule {s.verify_schedule!r}; known: {', '.join(SCHEDULES)}")
+    if s.lookup_first and (s.verify_schedule != "fixed" or s.draft == "ngram"):
+        raise ScheduleError(f"lookup-first {s.lookup_first} pairs prompt lookup with a trained draft under the fixed "
+                            f"verify schedule (lookup's rounds have no confidences): got draft {s.draft!r}, schedule "
+                            f"{s.verify_schedule!r}")
     out_dir = Path(s.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if target is None:
         target = load_target(s.target_name, s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(s.target_name)
     drafter = make_drafter(s.draft, target, s.block_size or 7, s.any_target, s.full_vocab)
+    if s.lookup_first:
+        drafter = LookupFirstDrafter(drafter, min_n=s.lookup_first)
     gamma = s.block_size or drafter.default_gamma
     schedule = None
     if s.verify_schedule == "confidence":
@@ -186,6 +196,7 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
     samples, rounds = [], []
     spec_time = target_time = spec_tokens = target_tokens = hf_time = hf_tokens = 0.0
     spec_prefill = target_prefill = 0.0
+    copied_rounds = 0
     for i, prompt in enumerate(tqdm(prompts, desc=f"eval {s.dataset}", unit="prompt")):
         ids = first_turn_ids(tokenizer, prompt, s.system_prompt, s.enable_thinking)
         key = (prompt.id, s.max_new_tokens, s.temperature, s.seed + i)
@@ -205,6 +216,7 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
         spec_prefill += result.prefill_s
         spec_tokens += len(result.ids)
         rounds += result.rounds
+        copied_rounds += getattr(drafter, "copied_rounds", 0)
         samples.append({"id": prompt.id, "source": record_source(prompt.id), "accept_len": result.accept_len,
                         "tokens": len(result.ids), "exact": result.ids == reference.ids,
                         # tau = round_tokens / rounds: a paired bootstrap resamples them (eval/compare.py)
@@ -218,6 +230,8 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
         "draft": s.draft, "target": s.target_name, "dataset": s.dataset, "temperature": s.temperature,
         "num_samples": len(samples), "block_size": gamma, "max_new_tokens": s.max_new_tokens,
         "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
+        **({"lookup_first": s.lookup_first, "copied_round_share": copied_rounds / max(len(rounds), 1)}
+           if s.lookup_first else {}),
         **acceptance_metrics(rounds, gamma),
         "exact_match": (sum(x["exact"] for x in samples) / max(len(samples), 1)) if greedy else None,
         "spec_tokens_per_s": spec_tokens / spec_time if spec_time else 0.0,
@@ -239,13 +253,13 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
         # the same prompts and decoding, gamma included, with the free n-gram drafter and nothing else
         ngram = run_eval(replace(s, draft="ngram", out_dir=out_dir / "ngram", block_size=gamma, device=None,
                                  scheduler=False, hf_generate=False, ngram_baseline=False, any_target=False,
-                                 full_vocab=False, verify_schedule="fixed", sts_path=None),
+                                 full_vocab=False, verify_schedule="fixed", sts_path=None, lookup_first=0),
                          target=target, baselines=baselines)
         report["ngram_baseline"] = {key: ngram[key] for key in ("accept_len", "accept_rate_at_k", "speedup")}
         report["tau_vs_ngram"] = report["accept_len"] / ngram["accept_len"]
         report["vs_ngram"] = vs_ngram(samples, ngram["samples"], s.temperature)
     # Calibration reads every position's confidences: a scheduled run verified only the drafts it was confident in.
-    if rounds and rounds[0].confidences is not None and schedule is None:
+    if rounds and rounds[0].confidences is not None and schedule is None and not s.lookup_first:
         report["calibration"] = _calibrate(rounds, gamma, out_dir, s.dataset)
         if s.scheduler:
             report["scheduler"] = _schedule(target, drafter.layer_ids, rounds, gamma, out_dir, s.seed)

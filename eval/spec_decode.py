@@ -343,6 +343,40 @@ class NgramDrafter(Drafter):
         return self.last
 
 
+class LookupFirstDrafter(Drafter):
+    """Prompt lookup first, the trained drafter otherwise: a round proposes what followed the most recent earlier
+    occurrence of the context's last n >= min_n tokens when there is one (a copy, at lookup's precision and without
+    the drafter's cost), else the drafter's own proposal. Each round is verified as usual, so the output is the
+    target's own. No serving engine runs this rule (SGLang and vLLM serve one drafting method per server): it is
+    measured (eval.py --lookup-first), never a serving default. Both drafters see every verified token and state."""
+
+    def __init__(self, drafter: Drafter, min_n: int = 2, max_n: int = 3):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"lookup-first needs 1 <= min_n <= max_n, got min_n {min_n}, max_n {max_n}")
+        self.drafter, self.lookup = drafter, NgramDrafter(max_n, min_n, drafter.default_gamma)
+        self.layer_ids, self.default_gamma = drafter.layer_ids, drafter.default_gamma
+        self.model = getattr(drafter, "model", None)
+
+    def reset(self, tokens, target_hidden):
+        super().reset(tokens, target_hidden)
+        self.drafter.reset(tokens, target_hidden)
+        self.copied_rounds = 0
+
+    def propose(self, gamma, temperature, generator):
+        self.lookup.tokens = self.tokens
+        self.last = self.lookup.propose(gamma, temperature, generator)
+        if self.last.tokens:
+            self.copied_rounds += 1
+        else:
+            self.last = self.drafter.propose(gamma, temperature, generator)
+        return self.last
+
+    def accept(self, num_accepted, next_token, target_hidden):
+        super().accept(num_accepted, next_token, target_hidden)
+        self.drafter.last = self.last  # the proposal verified this round, whichever drafter made it
+        self.drafter.accept(num_accepted, next_token, target_hidden)
+
+
 class OracleDrafter(Drafter):
     """Proposes the target's own greedy continuation of `prompt`, computed beforehand (`continuation`: the output ids),
     at no draft cost: every draft is accepted at T=0, so a loop run with it measures the loop's own overhead against

@@ -20,6 +20,7 @@ from eval.spec_decode import (
     DraftLMDrafter,
     Drafter,
     Eagle3Drafter,
+    LookupFirstDrafter,
     NgramDrafter,
     OracleDrafter,
     Proposal,
@@ -105,6 +106,8 @@ def with_draft_vocab(model: DSparkModel) -> DSparkModel:
 
 
 def make_drafter(name, target) -> Drafter:
+    if name.endswith("+lookup"):  # lookup after any one-token match: most rounds of these prompts copy
+        return LookupFirstDrafter(make_drafter(name.removesuffix("+lookup"), target), min_n=1)
     if name == "dspark":
         return DSparkDrafter(make_dspark(target))
     if name == "dspark-vocab":
@@ -143,7 +146,7 @@ class ScriptedDrafter(OracleDrafter):
 
 
 @pytest.mark.parametrize("name", ["dspark", "dspark-rnn", "dflash", "dspark-vocab", "dflash-vocab", "eagle3", "ngram",
-                                  "draft-lm"])
+                                  "draft-lm", "dspark+lookup", "eagle3+lookup"])
 def test_greedy_is_lossless(target, name):
     drafter = make_drafter(name, target)
     accepted, partial = 0, 0
@@ -681,6 +684,35 @@ def test_ngram_replay_gives_the_loops_rounds(gamma, target):
     assert accepted > 10  # lookup's drafts were accepted: the rounds compared are not all empty
     report = replay_records(NgramDrafter(), records, gamma)
     assert report["accept_len"] > 1.0 and report["first_draft_right_at_lookup_hits"] == 1.0
+
+
+@pytest.mark.parametrize("min_n", [1, 2])
+def test_lookup_first_is_lossless_and_replays_the_loops_rounds(min_n, target):
+    """The lookup-first drafter (prompt lookup's proposal when the context's last >= min_n tokens occurred before,
+    the draft's otherwise) emits the target's own tokens, uses both kinds of round, and eval.replay's
+    lookup_first_matches replays its rounds exactly from the greedy answer (so quality.py can report the rule
+    without running the loop)."""
+    from eval.replay import lookup_first_matches, lookup_proposals
+    from train.rollout import answer_span, draft_matches, replay_rounds
+
+    inner = make_drafter("dspark", target)
+    drafter = LookupFirstDrafter(inner, min_n=min_n)
+    copied = drafted = 0
+    for prompt in PROMPTS[1:] + [[4, 5, 6, 4, 5, 6, 4, 5]]:
+        result = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=40)
+        assert result.ids == target_generate(target, prompt, 40).ids
+        copied, drafted = copied + drafter.copied_rounds, drafted + len(result.rounds) - drafter.copied_rounds
+        ids = torch.tensor([prompt + result.ids])
+        hidden, _ = capture_hidden_states(target, ids, torch.ones_like(ids), LAYER_IDS)
+        record = {"input_ids": ids[0], "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(result.ids)),
+                  "hidden_states": hidden[0]}
+        looked_up, order = lookup_proposals(ids[0].tolist(), GAMMA)
+        matches = lookup_first_matches(draft_matches(inner.model, record, GAMMA), looked_up, order, min_n)
+        replayed = replay_rounds(matches, *answer_span(record), GAMMA)
+        loop = [r.accepted for r in result.rounds]
+        assert [r.accepted for r in replayed][:-1] == loop[:-1] and replayed[-1].accepted <= loop[-1]
+        assert len(replayed) == len(loop)
+    assert copied > 0 and drafted > 0
 
 
 def test_rollout_split_over_ranks_gives_one_ranks_rounds(target):
