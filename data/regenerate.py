@@ -398,7 +398,8 @@ def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) ->
             if answer.too_long and turn > 0:
                 ended.add(prompt.id)
             elif answer.error is not None:
-                failed[prompt.id] = Answer(error=f"turn {turn}: {answer.error}", retryable=answer.retryable)
+                failed[prompt.id] = Answer(error=f"turn {turn}: {answer.error}", retryable=answer.retryable,
+                                           too_long=answer.too_long)
             else:
                 answers[prompt.id].append(answer)
                 num_tokens += len(answer.token_ids)
@@ -407,8 +408,10 @@ def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) ->
     records, errors = [], []
     for p in prompts:
         if p.id in failed:
+            # a first turn longer than data.max_length was never meant to be used: skipped, not failed
             errors.append({"id": p.id, "source": p.source, "reason": failed[p.id].error}
-                          | ({"retryable": True} if failed[p.id].retryable else {}))
+                          | ({"retryable": True} if failed[p.id].retryable else {})
+                          | ({"skipped": True} if failed[p.id].too_long else {}))
             continue
         turns = list(p.turns[: len(answers[p.id])])
         records.append({
@@ -488,7 +491,8 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
             if startup_s:  # in `seconds` too: the tok/s a user gets, server start included
                 stats["server_startup_s"] = round(startup_s, 2)
             stage.mark_done(out_dir, stats, outputs=[RECORDS_NAME])  # cache, train and opd check it
-            print(f"[regenerate] {stats['records']} conversations, {stats['errors']} failed, "
+            print(f"[regenerate] {stats['records']} conversations, {stats['skipped']} skipped (prompt longer than "
+                  f"data.max_length), {stats['errors']} failed, "
                   f"{stats['generated_tokens']} answer tokens; {stage.throughput_line(stats)}", flush=True)
     dist.wait()  # rank 0 merged every chunk meanwhile
     if not stage.is_done(out_dir):
@@ -571,15 +575,17 @@ def _merge(out_dir: Path, num_chunks: int) -> dict:
     missing = [k for k in range(num_chunks) if not chunk_path(out_dir, k).is_file()]
     if missing:
         raise RuntimeError(f"regeneration chunks {missing} are missing in {out_dir / 'chunks'}")
-    lines, error_lines, generated = [], [], 0
+    lines, error_lines, generated, skipped = [], [], 0, 0
     for k in range(num_chunks):
         chunk = json.loads(chunk_path(out_dir, k).read_text())
         lines += [json.dumps(r, ensure_ascii=False) + "\n" for r in chunk["records"]]
         error_lines += [json.dumps(e, ensure_ascii=False) + "\n" for e in chunk["errors"]]
+        skipped += sum(bool(e.get("skipped")) for e in chunk["errors"])
         generated += chunk["generated_tokens"]
     atomic_write_text(out_dir / RECORDS_NAME, "".join(lines))
     atomic_write_text(out_dir / "errors.jsonl", "".join(error_lines))
-    return {"records": len(lines), "errors": len(error_lines), "generated_tokens": generated}
+    return {"records": len(lines), "errors": len(error_lines) - skipped, "skipped": skipped,
+            "generated_tokens": generated}
 
 
 def read_records(out_dir: Path) -> list[dict]:

@@ -180,7 +180,7 @@ def test_over_long_later_turn_ends_the_conversation_and_over_long_first_turn_fai
     records, errors, tokens = regenerate_chunk(_LengthLimited(), prompts, recipe, chunk_seed=0)
     assert [r["id"] for r in records] == ["a"]
     assert [m["content"] for m in records[0]["conversations"] if m["role"] != "system"] == ["short", "ok 1"]
-    assert errors == [{"id": "b", "source": "", "reason": "turn 0: prompt is too long"}]
+    assert errors == [{"id": "b", "source": "", "reason": "turn 0: prompt is too long", "skipped": True}]
     assert tokens == 2
 
 
