@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.harness import OFFLINE  # noqa: E402
+
 PROMPTS = [{"turns": [f"Explain idea number {i} in one sentence.", "Now give an example."]} for i in range(16)]
 SMALL = {
     "data.num_prompts": 12, "data.min_loss_tokens": 1, "data.max_length": 256,
@@ -57,7 +59,7 @@ class Run:
         self.target = make_tiny_qwen3(str(work / "tiny-qwen3"), num_layers=40)
         self.prompts = work / "prompts.jsonl"
         self.prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-        self.env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
+        self.env = {**os.environ, **OFFLINE}
 
     def pipeline(self, family: str, out: Path, stages: str, env_extra=None) -> subprocess.CompletedProcess:
         sets = dict(SMALL, **{"target.name_or_path": self.target, "data.sources": f"[{{name: '{self.prompts}'}}]"})

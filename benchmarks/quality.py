@@ -33,8 +33,10 @@ split), which splits its gap into memorisation and domain shift. --curve-only st
 (OUT/curves.json; each draft's tau over prompt lookup's, both replayed on the same prompts): arms that compare
 training settings at equal steps need only the curves. Each --arm trains every family again with its overrides on
 the same data and steps and prints its held-out tau over the recipe's at every checkpoint, e.g.
---arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5). The helpers the benchmark scripts share (the
-pipeline in a child process, the data, the replays) live in benchmarks/harness.py.
+--arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5); an arm that sets a cache.* key caches the shared
+regeneration again in its own folder, e.g. --arm raw:cache.encoding=raw (raw states against the fp8 cache). The
+helpers the benchmark scripts share (the pipeline in a child process, the data, the replays) live in
+benchmarks/harness.py.
 """
 
 from __future__ import annotations
@@ -57,6 +59,12 @@ from core.recipe import FAMILIES  # noqa: E402
 from eval.compare import format_ratio, paired_ratio, source_rows, source_table  # noqa: E402
 
 TRAIN_DATA = {"regenerate": "the target's own greedy answers", "source": "the sources' own answers, target's labels"}
+
+
+def reads_own_cache(arm_sets: list[str]) -> bool:
+    """Whether an arm's overrides change the cache (a cache.* key, e.g. cache.encoding=raw): the shared cache, made
+    with the recipe's keys, would be refused, so the arm caches the shared regeneration again in its own folder."""
+    return any(kv.startswith("cache.") for kv in arm_sets[1::2])
 
 
 def seconds_per_step(out: Path) -> float:
@@ -285,7 +293,8 @@ def main() -> int:
                         help="recipe override for every family's training, e.g. --set train.lr=2e-3")
     parser.add_argument("--arm", dest="arms", action="append", default=[], type=parse_arm,
                         metavar="NAME:KEY=VALUE[,KEY=VALUE]", help="also train each family with these recipe "
-                        "overrides, on the same data and steps, in OUT/<family>-NAME (repeatable): its held-out "
+                        "overrides, on the same data and steps, in OUT/<family>-NAME (repeatable; a cache.* key "
+                        "caches the regeneration again there): its held-out "
                         "curve and its ratio to the recipe's at every checkpoint (the real loop runs the recipe's "
                         "drafts only)")
     parser.add_argument("--add-source", dest="extra_sources", action="append", default=[], type=parse_source,
@@ -349,9 +358,10 @@ def main() -> int:
             shutil.rmtree(probe)
         family_steps.setdefault(family, steps)
         run = out / name
-        link_data(data_run, run)
+        own_cache = reads_own_cache(arm_sets)
+        link_data(data_run, run, names=("regen",) if own_cache else ("regen", "cache"))
         save_every = max(1, steps // args.curve_points)
-        wall_s = run_pipeline(recipe, run, "train", args.nproc,
+        wall_s = run_pipeline(recipe, run, "cache,train" if own_cache else "train", args.nproc,
                               family_sets + arm_sets + sets(train__max_steps=steps, train__save_every=save_every,
                                                             train__keep_checkpoints=0), log)
         eval_cache = open_eval_cache(recipe, eval_run)

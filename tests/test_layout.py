@@ -136,3 +136,34 @@ def test_long_files_say_why():
             long.append(f"{path.relative_to(ROOT)}: {lines} lines")
     assert long == [], "files over ~600 lines without a reason at their top:\n" + "\n".join(long)
 
+
+
+def _benchmark_imports(path: Path, scripts: set[str]) -> list[str]:
+    """Every import of a benchmark module in `path` but `from benchmarks.harness import ...`: another script
+    (`import quality`, `from benchmarks import quality`) or the harness spelled another way (`import
+    benchmarks.harness`, `from benchmarks import harness`, `from .harness import x`)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] in scripts | {"benchmarks"}]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            found.append("." * node.level + (node.module or ""))
+        elif isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+            found += [f"benchmarks.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module.split(".")[0] in scripts | {"benchmarks"}:
+            found += [node.module] if node.module != "benchmarks.harness" else []
+    return found
+
+
+def test_benchmark_scripts_share_only_the_harness(tmp_path):
+    """What the benchmark scripts share lives in benchmarks/harness.py, imported one way (`from benchmarks.harness
+    import ...`); no script imports another one (quality.py is a benchmark, not a library)."""
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    wrong = {p.name: found for p in sorted((ROOT / "benchmarks").glob("*.py"))
+             if (found := _benchmark_imports(p, scripts))}
+    assert wrong == {}
+    bad = tmp_path / "bad.py"
+    bad.write_text("import quality\nfrom benchmarks import harness\nfrom .harness import sets\n"
+                   "from benchmarks.quality import arm_ratios\nfrom benchmarks.harness import ratio\n")
+    assert sorted(_benchmark_imports(bad, {"quality", "harness"})) == [
+        ".harness", "benchmarks.harness", "benchmarks.quality", "quality"]

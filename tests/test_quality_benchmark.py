@@ -20,6 +20,14 @@ def test_arm_becomes_recipe_overrides():
         "decay1.5-layers3", ["--set", "loss.loss_decay_gamma=1.5", "--set", "draft.num_layers=3"])
 
 
+def test_an_arm_that_changes_the_cache_caches_again():
+    # the shared cache is made with the recipe's cache keys; an arm reading it with another encoding would be refused
+    assert quality.reads_own_cache(harness.parse_arm("raw:cache.encoding=raw")[1])
+    assert quality.reads_own_cache(harness.parse_arm("x:loss.ce_alpha=1,cache.encoding=raw")[1])
+    assert not quality.reads_own_cache(harness.parse_arm("decay:loss.loss_decay_gamma=1.5")[1])
+    assert not quality.reads_own_cache([])  # the recipe's own run
+
+
 @pytest.mark.parametrize("item", ["decay", "decay:", ":loss.loss_decay_gamma=1.5", "decay:loss.loss_decay_gamma",
                                   "a/b:train.lr=1e-3", "decay:loss.loss_decay_gamma=1.5,oops"])
 def test_malformed_arm_is_refused_before_any_work(item, tmp_path):

@@ -8,8 +8,8 @@ fp32 = 2.2 GB per probability tensor, several of them alive in the backward). Bo
 anchors (positions, for Eagle3) in chunks, and run each chunk under
 ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the forward keeps nothing vocabulary-sized, the
 backward recomputes one chunk's logits at a time. Peak memory is a handful of ``[chunk, gamma, V]`` fp32 tensors
-whatever the number of anchors (benchmarks/loss_memory.py measures it). The model callables must be deterministic
-(or draw from torch's RNG, whose state the checkpoint restores), since the backward calls them again.
+whatever the number of anchors (measured: benchmarks/README.md, "Loss memory"). The model callables must be
+deterministic (or draw from torch's RNG, whose state the checkpoint restores), since the backward calls them again.
 ``chunk_size`` defaults to the largest chunk whose ``[chunk, gamma, V]`` fp32 tensor fits in ``chunk_bytes``
 (256 MiB); the chunked result equals the unchunked one up to floating-point summation order.
 
