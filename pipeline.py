@@ -202,9 +202,6 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     if vocab is not None and mask is not None and recipe.family != "eagle3" and not 0 <= mask < vocab:
         problems.append(f"draft.mask_token_id {mask} is outside the target vocabulary (ids 0..{vocab - 1}); "
                         f"null picks the family default")
-    if "opd" in stages and recipe.opd.rounds > 0 and recipe.regen.temperature != 0:
-        problems.append(f"opd.rounds {recipe.opd.rounds} replays greedy rollouts, which the regenerated answers are only "
-                        f"at regen.temperature 0 (got {recipe.regen.temperature}): set it to 0, or opd.rounds=0")
     per_step = recipe.train.micro_batch_size * world_size
     if "train" in stages and recipe.train.global_batch_size % per_step:
         problems.append(f"train.global_batch_size={recipe.train.global_batch_size} must be a multiple of "

@@ -234,8 +234,8 @@ class TrainConfig:
 
 @dataclass
 class OpdConfig:
-    """On-policy distillation after `train` (train/opd.py): rounds of greedy rollout with the current drafter on
-    training conversations, then updates on the positions where verification rejected its drafts."""
+    """On-policy distillation after `train` (train/opd.py): rounds of rollout with the current drafter along the
+    training answers (greedy or sampled: regen.temperature), then updates where verification rejected its drafts."""
 
     #: 0 = no opd stage (the pipeline skips it and eval/export read train/final).
     rounds: int = 0

@@ -50,9 +50,6 @@ CASES = [
      ["train.global_batch_size=5 must be a multiple of train.micro_batch_size × ranks = 2 × 1"]),
     ({"train.lr": "[1"}, "train", ["--set train.lr=[1: the value is not valid YAML", "column"]),
     ({"opd.steps_per_round": 0}, "train,opd", ["opd.steps_per_round must be > 0, got 0"]),
-    # opd replays greedy rollouts: sampled answers are refused before the train stage, not after it
-    ({"opd.rounds": 2, "regen.temperature": 0.7}, "train,opd", ["opd.rounds 2 replays greedy rollouts",
-                                                                "regen.temperature 0"]),
     ({"train.hidden_states": "disk"}, "train", ["train.hidden_states"]),
     # each used to fail late: in eval after 93 s of work, out of memory after regenerate and cache, with the hub's
     # 'Repo id must be in the form ...' after loading the recipe; a name used to write outside runs/

@@ -4,13 +4,21 @@
 
 Supervised training sees anchors drawn uniformly over the target's answers; in speculative decoding a drafter drafts
 from where its own previous round ended, i.e. right after verification rejected one of its drafts. Each round:
-  1. rollout: the current drafter drafts along training answers with the target verifying, greedily (T=0). With
-     greedy regeneration the target's rollout of a training prompt IS its regenerated answer, so the rounds are
-     replayed from one drafter pass per answer (train/rollout.py; equal to the real loop's rounds, a tested fact),
-     the answers split over the ranks; the bar shows the rollout tau;
-  2. update: opd.steps_per_round steps (lr opd.lr, cosine within the round) of the same Trainer and the family's own loss (CE/TV/confidence for DSpark and DFlash, TTT for Eagle3),
-     started from the current drafter, trained only at the rounds' starts: the verified prefixes where the
-     previous draft was rejected, with the target's next tokens (its distribution, via the frozen head) as labels.
+  1. rollout: the current drafter drafts along training answers with the target verifying. The target's rollout of a
+     training prompt IS its regenerated answer: the greedy answer at T=0; at T>0 (regen.temperature) the sample that a
+     loop verifying by exact match (a draft is accepted iff it equals the token the target samples there) emits,
+     losslessly. So the rounds are replayed from one drafter pass per answer (train/rollout.py; equal to the
+     step-by-step loop's rounds, a tested fact), the answers split over the ranks; the bar shows the rollout tau. At
+     T>0 that tau is exact-match acceptance of the argmax draft, which is the same in distribution as rejection
+     sampling of a one-hot draft (accepted with the target's probability of it, as SGLang verifies DFlash); for a
+     sampled draft exact match is a lower bound on rejection sampling (sum p*q <= sum min(p, q)). Eval's T>0 loop
+     samples its drafts, so its tau can differ either way;
+  2. update: opd.steps_per_round steps (lr opd.lr, cosine within the round) of the same Trainer and the family's own
+     loss (CE/TV/confidence for DSpark and DFlash, TTT for Eagle3), started from the current drafter, trained only at
+     the rounds' starts: the verified prefixes where the previous draft was rejected, with the target's next tokens
+     (its distribution, via the frozen head) as labels. At T>0 too the labels are the untempered distribution, as in
+     the train stage: temperature, top-k and top-p keep its argmax, the draft that exact match accepts most often,
+     and OPD then differs from train (and from its opd.anchors=uniform control) in the anchors alone.
 Rollouts use training conversations only, never eval prompts. Each round is a train run of its own under
 OUT/opd/round-NNN (checkpointed and resumable like the train stage); OUT/opd/final is the last round's draft, which
 eval and export read when opd.rounds > 0.
@@ -72,7 +80,7 @@ def rollout_sample(num_records: int, count: int, seed: int, round_index: int) ->
 
 def rollout(draft, records, indices: list[int], gamma: int, eos_token_id=None,
             dist: Dist | None = None) -> tuple[list[torch.Tensor], list[int], float]:
-    """Replayed greedy rounds over each record's first answer, ended where the loop stops (answer_span): (round starts
+    """Replayed rounds over each record's first answer (greedy drafts accepted while equal to its tokens), ended where the loop stops (answer_span): (round starts
     per record, accepted per round, tau). With `dist` each rank replays every world_size-th record and every rank
     gets all of them back, in order."""
     dist = dist or Dist()  # one process: its own share is everything
@@ -93,9 +101,6 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
     """The `opd` stage on the training records (a TargetCache or OnlineRecords), from the train stage's draft;
     eos_token_id: the tokenizer's, where rollouts stop."""
     out_dir, opd = Path(out_dir), recipe.opd
-    if recipe.regen.temperature != 0:
-        raise ValueError(f"opd replays greedy rollouts, which are the regenerated answers only when they are greedy: "
-                         f"regen.temperature is {recipe.regen.temperature}; set it to 0 (and regenerate) or opd.rounds=0")
     if not (Path(train_final) / "model.safetensors").is_file():
         raise RuntimeError(f"{train_final} holds no trained draft: run the train stage first (--stages train,opd)")
     opd_settings = dataclasses.asdict(opd)
@@ -107,6 +112,8 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
     if done is not None:
         return done
     gamma = draft_gamma(recipe)
+    # a sampled answer's rounds: exact-match acceptance of the argmax draft (see the docstring), said in the log
+    acceptance = f" (exact match along T={recipe.regen.temperature} samples)" if recipe.regen.temperature > 0 else ""
     round_recipe = dataclasses.replace(recipe, train=dataclasses.replace(
         recipe.train, max_steps=opd.steps_per_round, lr=opd.lr, warmup_ratio=0.0, save_every=opd.steps_per_round,
         keep_checkpoints=1))
@@ -122,8 +129,8 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
             draft = load_draft_model(draft_dir, get_target(), dtype=torch.float32)
             starts, accepted, tau = rollout(draft, records, indices, gamma, eos_token_id, dist)
             bar.set_postfix(rollout_tau=f"{tau:.3f}")
-            dist.print(f"[opd] round {k}/{opd.rounds}: rollout tau {tau:.3f} over {len(accepted)} rounds of "
-                       f"{len(indices)} training conversations")
+            dist.print(f"[opd] round {k}/{opd.rounds}: rollout tau {tau:.3f}{acceptance} over {len(accepted)} rounds "
+                       f"of {len(indices)} training conversations")
         rollout_s = time.perf_counter() - t0
         round_dir = out_dir / f"round-{k:03d}"
         run_train(TrainJob(round_recipe, RolloutRecords(records, indices, starts), round_dir, dist, get_target,
@@ -144,6 +151,6 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
             shutil.copytree(draft_dir, tmp, dirs_exist_ok=True)
         stage.mark_done(out_dir, stats)
         print("[opd] done: rollout tau " + " -> ".join(f"{h['rollout_tau']:.3f}" for h in history
-                                                       if h["rollout_tau"] is not None), flush=True)
+                                                       if h["rollout_tau"] is not None) + acceptance, flush=True)
     dist.barrier()
     return stats

@@ -1,12 +1,15 @@
-"""Greedy rollouts replayed: the speculative loop's T=0 rounds over a greedy answer, from one drafter pass.
+"""Rollouts replayed: the speculative loop's rounds along an answer of the target's, from one drafter pass.
 
-At T=0 the speculative loop emits the target's own greedy answer whatever the drafter proposes, and a round's drafts
-depend only on the verified tokens (through the target's states of them) and, inside the accepted prefix, on drafted
-tokens that equal the answer's. So for a greedy answer with the target's states along it, every round can be replayed
-from ONE teacher-forced pass of the drafter over all anchors: the round whose pending token sits at position a accepts
-the longest prefix of its drafts equal to the answer's tokens a+1, a+2, ..., and the next round's pending token is at
-a + accepted + 1 (tests/test_spec_decode.py checks the rounds equal the real loop's). It costs one drafter forward
-per answer and no target step. eval/replay.py turns the rounds into held-out acceptance figures; train/opd.py uses
+At T=0 the speculative loop emits the target's own greedy answer whatever the drafter proposes. At T>0 a loop that
+accepts a draft iff it equals the token the target samples there (and emits the target's token at the first mismatch)
+emits the target's own sample just as losslessly, so a sampled answer is such a loop's output. Either way a round's
+drafts depend only on the verified tokens (through the target's states of them) and, inside the accepted prefix, on
+drafted tokens that equal the answer's. So for an answer with the target's states along it, every round can be
+replayed from ONE teacher-forced pass of the drafter over all anchors: the round whose pending token sits at position
+a accepts the longest prefix of its (argmax) drafts equal to the answer's tokens a+1, a+2, ..., and the next round's
+pending token is at a + accepted + 1 (tests/test_spec_decode.py checks the rounds equal the real loop's at T=0,
+tests/test_opd.py a step-by-step exact-match loop's along sampled answers). It costs one drafter forward per answer
+and no target step. eval/replay.py turns the rounds into held-out acceptance figures; train/opd.py uses
 the rounds' starts, where verification has just rejected a draft, as the positions to train on.
 
     matches = draft_matches(model, record, gamma)        # [T, gamma] bool: anchor a's draft j equals token a+j
