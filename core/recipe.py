@@ -228,6 +228,11 @@ class TrainConfig:
     save_every: int = 1000
     #: checkpoints kept on disk (newest first); older ones are deleted once a newer one is complete. 0 keeps all.
     keep_checkpoints: int = 2
+    #: decay of an exponential moving average of the trainable draft weights, updated after every optimizer step
+    #: (capped by (1 + t) / (10 + t) at step t, so the start fades early; train/ema.py); train/final (which eval,
+    #: export and opd read; opd's rounds average too) holds the average, the last checkpoint's draft the last step's
+    #: own weights. 0 = off.
+    ema_decay: float = 0.0
     log_every: int = 10
     wandb_project: Optional[str] = None
 
@@ -497,7 +502,7 @@ def _check_values(recipe: Recipe) -> None:
     if not 0.0 <= recipe.train.warmup_ratio <= 1.0:
         problems.append(f"train.warmup_ratio must be in [0, 1] (a fraction of train.max_steps), "
                         f"got {recipe.train.warmup_ratio}")
-    for key in ("train.adam_beta1", "train.adam_beta2", "train.dropout"):
+    for key in ("train.adam_beta1", "train.adam_beta2", "train.dropout", "train.ema_decay"):
         if not 0.0 <= _get(recipe, key) < 1.0:
             problems.append(f"{key} must be in [0, 1), got {_get(recipe, key)}")
     if any(i < 0 for i in recipe.target.layer_ids):

@@ -20,6 +20,7 @@ CASES = [
     ({"train.max_grad_norm": ".inf"}, "train", ["train.max_grad_norm must be a finite number, got inf"]),
     ({"train.warmup_ratio": 2}, "train", ["train.warmup_ratio must be in [0, 1]"]),
     ({"train.adam_beta2": 1}, "train", ["train.adam_beta2 must be in [0, 1)"]),
+    ({"train.ema_decay": 1}, "train", ["train.ema_decay must be in [0, 1)", "got 1"]),
     ({"regen.top_p": 7}, "regenerate", ["regen.top_p must be in (0, 1]", "got 7"]),
     ({"regen.top_k": -5}, "regenerate", ["regen.top_k must be >= 1, or 0 / -1"]),
     ({"regen.temperature": -0.5}, "regenerate", ["regen.temperature must be >= 0"]),

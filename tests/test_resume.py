@@ -121,11 +121,14 @@ def test_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
     module = TinyDraft(2, 2)
     optimizer = torch.optim.AdamW(module.parameters())
     root = tmp_path / "checkpoints"
-    path = checkpoint.save_checkpoint(SimpleNamespace(kind="ddp"), module, optimizer, 2, root, Dist(), {})
+    average = {"weight": torch.zeros(2, 2), "bias": torch.ones(2)}  # train.ema_decay's, in its own file
+    path = checkpoint.save_checkpoint(SimpleNamespace(kind="ddp"), module, optimizer, 2, root, Dist(), {}, average)
     published = events.index(("publish", str(root / "latest")))
     synced = {p for kind, p in events[:published] if kind == "fsync"}
     files = {os.path.realpath(p) for p in path.rglob("*")} | {os.path.realpath(path)}
     assert files and files <= synced, files - synced
+    assert "ema.pt" in json.loads((path / "checksums.json").read_text())  # a damaged average is refused on resume
+    assert checkpoint.read_average(path).keys() == average.keys()
 
 
 def test_pruning_keeps_what_latest_names_and_leaves_newer_half_written_folders(tmp_path):

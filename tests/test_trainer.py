@@ -1,6 +1,7 @@
 """The one Trainer on the tiny Qwen3 (real Qwen3 tokenizer): every family trains and its loss falls, kill -9 and
-resume continues with bit-identical losses, 2-rank ZeRO-2 equals 1-rank with the same global batch, a non-finite
-loss stops the run with the last good checkpoint intact."""
+resume continues with bit-identical losses (and weight average), 2-rank ZeRO-2 equals 1-rank with the same global
+batch, a non-finite loss stops the run with the last good checkpoint intact, train.ema_decay's final draft is the
+average of the steps' weights."""
 
 import json
 import shutil
@@ -10,9 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import run_cli, tiny_overrides
+from core.dist import Dist
 from core.io import write_checksums
+from core.recipe import load_recipe
 from modeling.registry import TARGET_WEIGHTS_KEY
-from modeling.target import load_target, weights_fingerprint
+from modeling.target import load_target, load_tokenizer, weights_fingerprint
+from pipeline import training_records
+from train.algorithms import get_algorithm
+from train.trainer import TrainJob, build_module
 
 TRAIN = {
     "draft.num_layers": 1, "draft.num_anchors": 6, "draft.block_size": 3, "draft.markov_rank": 8,
@@ -120,20 +126,22 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     assert f"tau = {report['accept_len']:.3f}" in done.stdout
 
 
-def dropout_run(zero_stage: int) -> dict:
-    return {"train.zero_stage": zero_stage, "train.dropout": 0.1}
+def resume_run(zero_stage: int) -> dict:
+    # 0.3: the early-step cap (1 + t) / (10 + t) decides steps 1-3, the decay itself steps 4-6
+    return {"train.zero_stage": zero_stage, "train.dropout": 0.1, "train.ema_decay": 0.3}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(prepared, tiny_qwen3, prompt_file, tmp_path_factory):
     """clean(zero_stage): the run folder of the 6-step dspark run never killed, made once per ZeRO stage (with
-    train.dropout: a resumed run must draw the masks the first run drew)."""
+    train.dropout: a resumed run must draw the masks the first run drew; with train.ema_decay: it must continue the
+    average the first run kept)."""
     runs = {}
 
     def clean(zero_stage: int):
         if zero_stage not in runs:
             out = copy_run(prepared, "dspark", tmp_path_factory.mktemp(f"clean-zero{zero_stage}") / "run")
-            done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, **dropout_run(zero_stage)))
+            done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, **resume_run(zero_stage)))
             assert done.returncode == 0, done.stderr[-3000:]
             runs[zero_stage] = out
         return runs[zero_stage]
@@ -159,7 +167,7 @@ def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, unin
                                              tmp_path, drill):
     drill("kill", f"kill -9 at {kill_at}, ZeRO-{zero_stage}")
     clean, crashed = uninterrupted(zero_stage), copy_run(prepared, "dspark", tmp_path / "crash")
-    extra = dropout_run(zero_stage)
+    extra = resume_run(zero_stage)
     # keep_checkpoints is not a result-changing setting: the resumed run may use another value (the default 2)
     killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra,
                                 **{"train.keep_checkpoints": 1}),
@@ -171,7 +179,10 @@ def test_kill_and_resume_continues_bit_exact(zero_stage, kill_at, prepared, unin
     resumed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout
-    assert_same_run(crashed, clean)
+    assert_same_run(crashed, clean)  # train/final: the weight average
+    last = [run / "train" / "checkpoints" / "step-0000006" for run in (crashed, clean)]
+    for name in ("ema.pt", "draft/model.safetensors"):  # the average, and the last step's own weights
+        assert (last[0] / name).read_bytes() == (last[1] / name).read_bytes(), name
     # saves at 2 (killed run), 4 and 6: only the newest two (train.keep_checkpoints default) stay on disk
     assert checkpoint_names(crashed) == ["step-0000004", "step-0000006"]
 
@@ -180,7 +191,7 @@ def test_one_rank_of_two_killed_mid_training_then_the_rerun_continues_bit_exact(
                                                                                  tmp_path, drill):
     drill("kill", "kill -9 of rank 1 of 2 at train:3, ZeRO-2")
     clean, crashed = copy_run(prepared, "dspark", tmp_path / "clean"), copy_run(prepared, "dspark", tmp_path / "crash")
-    extra = {"train.zero_stage": 2}
+    extra = {"train.zero_stage": 2, "train.ema_decay": 0.3}  # each rank averages; rank 0's is saved and resumed
     first = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, clean, **extra), torchrun=2)
     assert first.returncode == 0, first.stderr[-3000:]
     killed = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, crashed, **extra),
@@ -197,7 +208,9 @@ def test_two_rank_zero2_matches_one_rank(prepared, tiny_qwen3, prompt_file, tmp_
     one, two = copy_run(prepared, "dspark", tmp_path / "one"), copy_run(prepared, "dspark", tmp_path / "two")
     # Adam divides by sqrt(v)+eps: at eps=1e-8 it turns fp32 reduction-order noise in near-zero gradients (rows of
     # unseen tokens) into lr-sized steps of either sign. A larger eps keeps the comparison about the gradients.
-    extra = {"train.zero_stage": 2, "train.max_steps": 3, "train.save_every": 3, "train.adam_eps": 1.0e-4}
+    # train.ema_decay: rank 0 averages the full weights ZeRO-2 all-gathers after each step, not its partition only
+    extra = {"train.zero_stage": 2, "train.max_steps": 3, "train.save_every": 3, "train.adam_eps": 1.0e-4,
+             "train.ema_decay": 0.2}
     first = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, one, **extra))
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, two, **extra), torchrun=2)
@@ -271,6 +284,53 @@ def test_kill_after_the_final_save_resumes_to_done(prepared, tiny_qwen3, prompt_
     assert [r["step"] for r in rows] == list(range(1, 7))
     no_step = lambda row: {k: v for k, v in row.items() if k != "step"}  # noqa: E731
     assert done["last"] == no_step(rows[-1]) and done["first"] == no_step(rows[0])  # the real last step's metrics
-    assert (out / "train" / "final" / "model.safetensors").is_file()
+    # train.ema_decay 0 (the default): train/final is the last step's weights, byte for byte, and nothing averages
+    last = out / "train" / "checkpoints" / "step-0000006"
+    assert (out / "train" / "final" / "model.safetensors").read_bytes() == \
+        (last / "draft" / "model.safetensors").read_bytes()
+    assert not list((out / "train" / "checkpoints").glob("*/ema.pt"))
+    assert "ema_decay" not in json.loads((out / "train" / "settings.json").read_text())["train"]
+
+
+def start_weights(args, out, tiny_qwen3):
+    """The trainable drafter weights the train stage of `args` starts from, built here as it builds them."""
+    sets = [args[i + 1] for i, arg in enumerate(args) if arg == "--set"]
+    recipe = load_recipe(args[args.index("--recipe") + 1], sets)
+    target = load_target(recipe.target.name_or_path, torch.device("cpu"), recipe.target.dtype)
+    records = training_records(recipe, out, load_tokenizer(recipe.target.name_or_path), target)
+    job = TrainJob(recipe, records, out / "train", Dist(), lambda: target)
+    module = build_module(job, get_algorithm(recipe.family))
+    return {name: p.detach().clone() for name, p in module.draft.named_parameters() if p.requires_grad}
+
+
+def test_final_draft_is_the_average_of_the_steps_weights(prepared, tiny_qwen3, prompt_file, tmp_path):
+    out = copy_run(prepared, "dspark", tmp_path / "run")
+    decay = 0.2  # steps 1 and 2 take the early-step cap (0.1, 2/11), step 3 the decay itself
+    args = train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out,
+                      **{"train.max_steps": 3, "train.save_every": 1, "train.keep_checkpoints": 0,
+                         "train.ema_decay": decay})
+    done = run_cli(args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpts = out / "train" / "checkpoints"
+    steps = [load_file(str(ckpts / f"step-000000{s}" / "draft" / "model.safetensors")) for s in (1, 2, 3)]
+    average = start_weights(args, out, tiny_qwen3)
+    assert average and set(average) < set(steps[0])  # the frozen embedding and lm_head copies are not averaged
+    for t, weights in enumerate(steps):  # recomputed here from each step's weights
+        d = min(decay, (1 + t) / (10 + t))
+        average = {name: value * d + weights[name] * (1 - d) for name, value in average.items()}
+    final = load_file(str(out / "train" / "final" / "model.safetensors"))
+    assert final.keys() == steps[-1].keys()
+    for name, value in final.items():
+        if name in average:
+            torch.testing.assert_close(value, average[name], rtol=1e-6, atol=1e-7, msg=name)
+        else:
+            assert torch.equal(value, steps[-1][name]), name
+    # not the last step's weights: those stay in the last checkpoint
+    assert max(float((final[n] - steps[-1][n]).abs().max()) for n in average) > 1e-4
+    assert json.loads((out / "train" / "settings.json").read_text())["train"]["ema_decay"] == decay
+    # the folder is pinned to its decay: a rerun with another is refused, naming the key
+    again = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out,
+                               **{"train.max_steps": 3, "train.save_every": 1, "train.ema_decay": 0.5}))
+    assert again.returncode != 0 and "train.ema_decay: 0.2 in the folder, 0.5 now" in again.stdout + again.stderr
 
 

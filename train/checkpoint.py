@@ -1,6 +1,6 @@
 """Training checkpoints: one `step-NNNNNNN` folder per save (the draft, the trainable weights, the optimizer state,
-checksums), published by an atomically written `latest` pointer; resume refuses a damaged or foreign checkpoint by
-name instead of training on it or silently starting over."""
+the weight average with train.ema_decay, checksums), published by an atomically written `latest` pointer; resume
+refuses a damaged or foreign checkpoint by name instead of training on it or silently starting over."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from modeling.registry import read_draft_weights
 
 
 CHECKPOINT_NAME = re.compile(r"step-\d{7}")
+#: a checkpoint's fp32 average of the trainable draft weights (train.ema_decay > 0; train/ema.py)
+AVERAGE_NAME = "ema.pt"
 
 
 def checkpoint_dir(ckpt_root: Path, step: int) -> Path:
@@ -53,18 +55,20 @@ def frozen_names(module) -> set[str]:
     return {name for name, param in module.named_parameters() if not param.requires_grad}
 
 
-def checkpoint_bytes(module) -> int:
+def checkpoint_bytes(module, averaged: bool = False) -> int:
     """About what one checkpoint takes on disk: the draft's weights, the trainable ones again with two AdamW moments
-    (fp32) each."""
+    (fp32) each, and their fp32 average when `averaged`."""
     weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
     trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    return weights + trainable * (4 + 2 * 4)
+    return weights + trainable * (4 + 2 * 4 + (4 if averaged else 0))
 
 
-def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist: Dist, extra: dict) -> Path:
+def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist: Dist, extra: dict,
+                    average: dict | None = None) -> Path:
+    """Write checkpoint `step` and point `latest` at it; `average`: the weight average (train/ema.py) to keep too."""
     path = checkpoint_dir(ckpt_root, step)
     if dist.is_main:
-        require_free_space(ckpt_root, checkpoint_bytes(module), f"checkpoint {path.name}")
+        require_free_space(ckpt_root, checkpoint_bytes(module, average is not None), f"checkpoint {path.name}")
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     frozen = frozen_names(module)
@@ -78,6 +82,8 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
             fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last
             trained = {name: value for name, value in module.state_dict().items() if name not in frozen}
             torch.save({"step": step, "model": trained, **extra}, path / "trainer_state.pt")
+            if average is not None:
+                torch.save(average, path / AVERAGE_NAME)
     except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError ('iostream error')
         raise write_failure(path, err) from err
     dist.barrier()
@@ -139,6 +145,11 @@ def _safe_deepspeed_loads(ds_engine) -> None:
             return load_tensors(Path(path), map_location)
 
     ds_engine.checkpoint_engine.load = load
+
+
+def read_average(path: Path) -> dict:
+    """Checkpoint `path`'s weight average (train.ema_decay > 0), as save_checkpoint wrote it."""
+    return load_tensors(path / AVERAGE_NAME)
 
 
 def load_checkpoint(engine, module, optimizer, path: Path) -> dict:

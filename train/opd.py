@@ -21,7 +21,9 @@ from where its own previous round ended, i.e. right after verification rejected 
      and OPD then differs from train (and from its opd.anchors=uniform control) in the anchors alone.
 Rollouts use training conversations only, never eval prompts. Each round is a train run of its own under
 OUT/opd/round-NNN (checkpointed and resumable like the train stage); OUT/opd/final is the last round's draft, which
-eval and export read when opd.rounds > 0.
+eval and export read when opd.rounds > 0. With train.ema_decay > 0 a round, a train run, averages its weights too: it
+starts from the previous round's average and its final is the average of its own steps (at 20 steps a round the
+early-step cap of train/ema.py keeps the decay at most 0.69).
 """
 
 from __future__ import annotations

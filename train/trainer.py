@@ -11,7 +11,8 @@ Exactness rules, so a run killed at any step and rerun continues with the very s
   * every random choice inside a batch (anchor positions) uses a generator seeded by (seed, step, sample index);
   * the loss of a step is normalised by the weight sum of the whole GLOBAL batch (all micro-batches, all ranks),
     so 1 rank × 8 sequences and 2 ranks × 4 sequences compute the same gradient;
-  * checkpoints hold the full optimizer state and are published by an atomically written `latest` pointer.
+  * checkpoints hold the full optimizer state (and the weight average, train.ema_decay) and are published by an
+    atomically written `latest` pointer.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from core import stage
 from core.io import atomic_write_text, publish_dir, write_checksums
 from data.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
-from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
-from train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from modeling.draft_folder import WEIGHTS_NAME
+from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config, read_draft_weights
+from train.checkpoint import (AVERAGE_NAME, latest_checkpoint, load_checkpoint, prune_checkpoints, read_average,
+                              save_checkpoint)
+from train.ema import WeightAverage, averaged_weights
 from train.algorithms import (add_feature_noise, attach_hidden, get_algorithm, input_scale, seeded_dropout,
                               set_dropout)
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
@@ -267,10 +272,11 @@ class TrainJob:
 def pinned_settings(job: TrainJob) -> dict:
     """What a train folder is pinned to (core/stage.py): a rerun with other settings is refused, not resumed."""
     recipe, train = job.recipe, job.recipe.train
+    # what only logs or disk use depends on may change between runs of one folder; ema_decay 0 is left out as in
+    # every folder made before the key existed, so those still match
+    unpinned = ("log_every", "wandb_project", "keep_checkpoints") + (("ema_decay",) if train.ema_decay == 0 else ())
     return {"family": recipe.family, "seed": recipe.seed, "draft": vars(recipe.draft), "loss": vars(recipe.loss),
-            # what only logs or disk use depends on may change between runs of one folder
-            "train": {k: v for k, v in vars(train).items()
-                      if k not in ("log_every", "wandb_project", "keep_checkpoints")},
+            "train": {k: v for k, v in vars(train).items() if k not in unpinned},
             "cache_index_sha256": job.cache.manifest.get("index_sha256"),
             **({"init_from_sha256": draft_digest(job.init_from)} if job.init_from else {})}
 
@@ -303,12 +309,16 @@ def build_module(job: TrainJob, algo) -> torch.nn.Module:
     return module
 
 
-def resume(engine, module, ckpt_root: Path, dist: Dist) -> tuple[int, dict | None, dict]:
-    """(step to start at, first and last step metrics) from the checkpoint `latest` names; (0, None, {}) without."""
+def resume(engine, module, average: WeightAverage | None, ckpt_root: Path,
+           dist: Dist) -> tuple[int, dict | None, dict]:
+    """(step to start at, first and last step metrics) from the checkpoint `latest` names, its weight average loaded
+    into `average`; (0, None, {}) without."""
     path = latest_checkpoint(ckpt_root)
     if path is None:
         return 0, None, {}
-    state = load_checkpoint(engine, module, engine.optimizer, path)
+    state = load_checkpoint(engine, module, engine.optimizer, path)  # its checksums cover the average too
+    if average is not None:
+        average.load_state_dict(read_average(path), path / AVERAGE_NAME)
     dist.print(f"[train] resuming from {path} (step {state['step']})")
     # killed after the final save: the loop does not run, and these are the stage's stats
     return state["step"], state.get("first_metrics"), state.get("last_metrics") or {}
@@ -376,8 +386,10 @@ def run_train(job: TrainJob) -> dict:
     algo = get_algorithm(recipe.family)
     module = build_module(job, algo)
     engine = Engine(module, recipe, dist, grad_accum)
+    # from the weights as the engine holds them (DeepSpeed bf16: cast); a resume overwrites it with the checkpoint's
+    average = WeightAverage(module.draft, train.ema_decay) if train.ema_decay > 0 else None
     ckpt_root = job.out_dir / "checkpoints"
-    start_step, first, last = resume(engine, module, ckpt_root, dist)
+    start_step, first, last = resume(engine, module, average, ckpt_root, dist)
     dist.print(describe(job, module, engine, grad_accum))
     logger = Logger(job.out_dir, recipe, dist, start_step)
     input_dtype, autocast = numerics(recipe, dist)
@@ -418,6 +430,8 @@ def run_train(job: TrainJob) -> dict:
         if not math.isfinite(grad_norm if grad_norm is not None else 0.0):
             raise FloatingPointError(f"non-finite gradient norm at step {step}: stopping; the last good checkpoint "
                                      f"is {latest_checkpoint(ckpt_root) or 'none yet'}")
+        if average is not None:
+            average.update(step)
         # --- metrics (global), log, checkpoint
         metrics = step_metrics(algo, totals, micro, dist, weight_total, lr=lr, grad_norm=grad_norm, started=t0,
                                hidden_s=hidden_s)
@@ -428,7 +442,8 @@ def run_train(job: TrainJob) -> dict:
                         tok_s=f"{metrics['tokens_per_s']:.0f}")
         if (step + 1) % train.save_every == 0 or step + 1 == train.max_steps:
             save_checkpoint(engine, module, engine.optimizer, step + 1, ckpt_root, dist,
-                            {"first_metrics": first, "last_metrics": last})
+                            {"first_metrics": first, "last_metrics": last},
+                            average.state_dict() if average is not None and dist.is_main else None)
             if dist.is_main:
                 prune_checkpoints(ckpt_root, train.keep_checkpoints)
         fault_point("train", step + 1)
@@ -438,13 +453,19 @@ def run_train(job: TrainJob) -> dict:
 
 
 def finish(job: TrainJob, ckpt_root: Path, first: dict | None, last: dict) -> dict:
-    """Copy the last checkpoint's draft folder to out/train/final and mark the stage done; returns its stats."""
+    """Copy the last checkpoint's draft folder to out/train/final, with train.ema_decay > 0 its trainable weights
+    replaced by the checkpoint's average (the last step's own weights stay in checkpoints/step-<max_steps>/draft,
+    which pruning keeps), and mark the stage done; returns its stats."""
     train, dist = job.recipe.train, job.dist
     final = latest_checkpoint(ckpt_root)
     stats = {"steps": train.max_steps, "first": first, "last": last, "checkpoint": str(final)}
     if dist.is_main:
         with publish_dir(job.out_dir / "final") as tmp:  # what eval and export read
             shutil.copytree(final / "draft", tmp, dirs_exist_ok=True)
+            if train.ema_decay > 0:
+                weights = averaged_weights(read_draft_weights(final / "draft"), read_average(final),
+                                           final / AVERAGE_NAME)
+                save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             write_checksums(tmp)  # eval and export refuse a damaged file by name (read_draft_weights)
         stage.mark_done(job.out_dir, stats)
         tau = "tau" in (first or {}) and "tau" in last
