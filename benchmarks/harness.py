@@ -155,17 +155,18 @@ def answer_and_cache(prompt_file: Path, run: Path, max_new_tokens: int, nproc: i
                       regen__max_new_tokens=max_new_tokens, cache__encoding=EVAL_CACHE_ENCODING), log)
 
 
-def prepare_in_distribution_data(out: Path, sources: str, count: int, max_new_tokens: int, nproc: int, log: Path,
-                                 overrides: list[str] = ()) -> Path:
-    """Prompts of the training sources that training never saw (their holdout split under the recipe's
-    data.holdout_fraction and seed), answered and cached like the held-out prompts: the same drafter replayed on them,
-    on the held-out sources and on its training records splits its gap into domain shift and memorisation."""
+def prepare_in_distribution_data(out: Path, data_run: Path, sources: str, count: int, max_new_tokens: int, nproc: int,
+                                 log: Path) -> Path:
+    """Prompts of the training sources that training never saw (their holdout split under the data.holdout_fraction
+    and seed `data_run` drew its training prompts with: a training override such as --set seed=43 changes neither),
+    answered and cached like the held-out prompts: the same drafter replayed on them, on the held-out sources and on
+    its training records splits its gap into domain shift and memorisation."""
     import yaml
 
     from core.recipe import load_recipe
     from data.prompts import load_prompts
 
-    recipe = load_recipe("dspark_smollm2_135m", list(overrides))
+    recipe = load_recipe(str(data_run / "recipe.yaml"))
     prompt_file = out / "in_distribution_prompts.jsonl"
     prompts = load_prompts(yaml.safe_load(sources), count, recipe.data.holdout_fraction, recipe.seed, split="holdout")
     prompt_file.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in prompts))

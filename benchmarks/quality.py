@@ -300,6 +300,9 @@ def main() -> int:
     parser.add_argument("--add-source", dest="extra_sources", action="append", default=[], type=parse_source,
                         metavar="FILE=WEIGHT", help="a local prompt file added to the training sources with that "
                         "weight (ShareGPT's is 1); never the held-out sources")
+    parser.add_argument("--data-dir", type=Path, help="folder of the data stages (train-data, eval-data, "
+                        "in-distribution-data; default OUT): runs given one folder train on one regeneration "
+                        "(benchmarks/data_scaling.py's steps at one data size)")
     args = parser.parse_args()
     if 0.0 not in args.temperatures:
         parser.error("--temperatures must include 0 (the ratios and speedups are T=0's)")
@@ -317,13 +320,15 @@ def main() -> int:
     log = out / "pipeline.log"
     extra_sets = [arg for item in args.overrides for arg in ("--set", item)] + source_sets(args.train_data)
 
+    data_dir = (args.data_dir or out).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
     data_run, eval_run, eval_file, eval_sources, sources, data_s = prepare_data(
-        out, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log,
+        data_dir, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log,
         args.train_data, args.regen_backend, args.extra_sources)
 
     num_eval = len(eval_file.read_text().splitlines())
-    in_distribution_run = prepare_in_distribution_data(out, sources, num_eval, args.max_new_tokens, args.nproc, log,
-                                                       args.overrides)
+    in_distribution_run = prepare_in_distribution_data(data_dir, data_run, sources, num_eval, args.max_new_tokens,
+                                                       args.nproc, log)
 
     import torch
 

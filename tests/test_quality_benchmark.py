@@ -3,7 +3,10 @@ overrides, refused when malformed, and compared with the family's recipe run che
 drafts against prompt lookup per source with the oracle chooser beside each ratio; which prompt each held-out cache
 record is."""
 
+import argparse
 import json
+import math
+import re
 import subprocess
 import sys
 
@@ -105,23 +108,129 @@ def test_ngram_ratios_pair_each_final_draft_with_lookup_on_the_same_prompts():
     assert line.endswith("(step 1200; n-gram replayed tau 2.000; oracle chooser 2.000)")
 
 
-def test_data_scaling_fits_a_line_in_log_conversations_and_says_it_extrapolates():
-    assert data_scaling.parse_sizes("1280:1200,256:480") == [(256, 480), (1280, 1200)]
-    for bad in ("256", "256:480", "a:b,1:2", "0:5,10:20"):
-        with pytest.raises(Exception, match="PROMPTS:STEPS"):
-            data_scaling.parse_sizes(bad)
-    a, b = data_scaling.log_fit([(100, 1.2), (1000, 1.4), (10000, 1.6)])
-    assert (a, b) == (pytest.approx(0.8), pytest.approx(0.2))
-    assert data_scaling.conversations_for(2.0, a, b) == pytest.approx(1e6)
-    assert data_scaling.conversations_for(2.0, 1.5, -0.1) == float("inf")
-    row = {"prompts": 256, "conversations": 100, "answer_tokens": 12000, "steps": 480, "taus": [1.1, 1.2],
-           "ngram_tau": 1.8, "over_ngram": (1.2 / 1.8, None, None),
-           "generalization": {"training records": 2.0, "in-distribution held-out": 1.5}}
-    rows = [row, {**row, "conversations": 1000, "taus": [1.3, 1.4]}]
-    lines = data_scaling.report(rows, data_scaling.final_fit(rows), 2.0, 1.0)
-    assert "| 256 | 100 | 12,000 | 480 | 1.100 / 1.200 | 1.800 | 0.667 | 2.00 / 1.50 |" in lines
-    assert "tau = 0.800 + 0.200 * log10(conversations)" in "\n".join(lines)
-    assert any(line.startswith("Extrapolated, not measured: tau 2.0 at ~1e+06 conversations") for line in lines)
+def test_alpha_from_tau_inverts_the_accept_length_of_a_per_draft_acceptance():
+    assert data_scaling.tau_from_alpha(0.5) == pytest.approx((1 - 0.5 ** 8) / 0.5)
+    assert data_scaling.tau_from_alpha(1.0) == 8.0 and data_scaling.tau_from_alpha(0.0) == 1.0
+    for alpha in (0.0, 0.05, 0.3, 0.55, 0.8, 0.97):
+        assert data_scaling.alpha_from_tau(data_scaling.tau_from_alpha(alpha)) == pytest.approx(alpha, abs=1e-9)
+    assert data_scaling.alpha_from_tau(0.9) == 0.0  # a draft never accepted
+    with pytest.raises(ValueError, match="not below gamma \\+ 1 = 8"):
+        data_scaling.alpha_from_tau(8.0)
+
+
+def test_both_scaling_fits_recover_the_parameters_of_synthetic_points():
+    c, d = 0.3, -0.12  # 1 - alpha = 10^c * tokens^d
+    rows = [{"answer_tokens": t, "tau": data_scaling.tau_from_alpha(1 - 10 ** (c + d * math.log10(t)))}
+            for t in (1e4, 3e4, 1e5, 4e5)]
+    fits = data_scaling.scaling_fits(rows)
+    assert (fits["power_law"]["c"], fits["power_law"]["d"]) == (pytest.approx(c), pytest.approx(d))
+    truth = data_scaling.tau_from_alpha(1 - 10 ** (c + d * 6))
+    assert data_scaling.predicted_tau(fits, 1e6)["power_law"] == pytest.approx(truth)
+    assert data_scaling.tokens_for(truth, fits)["power_law"] == pytest.approx(1e6, rel=1e-6)
+    line = data_scaling.scaling_fits([{"answer_tokens": 100, "tau": 1.2}, {"answer_tokens": 1000, "tau": 1.4},
+                                      {"answer_tokens": 10000, "tau": 1.6}])["log_linear"]
+    assert (line["a"], line["b_per_decade"]) == (pytest.approx(0.8), pytest.approx(0.2))
+    flat = {"log_linear": {"a": 1.5, "b_per_decade": -0.1}, "power_law": {"c": -0.3, "d": 0.01}}
+    assert data_scaling.tokens_for(2.0, flat) == {"log_linear": math.inf, "power_law": math.inf}
+
+
+@pytest.mark.parametrize("bad", ["240:200,400", "240,480", "240,480:200", "a,b:1,2", "0,5:1,2", "240,480:200,x",
+                                 "240,240:200,400"])
+def test_grid_parser_refuses_bad_input_naming_it(bad):
+    assert data_scaling.parse_grid("480,240:400,200") == ([240, 480], [200, 400])
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{re.escape(repr(bad))}: expected PROMPTS,PROMPTS"):
+        data_scaling.parse_grid(bad)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--grid", "8,16:4,8", "--steps", "5"], "--steps: set by this script for every point"),
+    (["--grid", "8,16:4,8", "--predict", "24:4"], "--predict 24:4: the fits are through the final drafts at 8 steps"),
+    (["--grid", "8,16:4,8", "--predict", "16:8"], "--predict 16:8: that data size is on the grid"),
+    (["--grid", "8,16:4,8", "--seed-point", "8:5"], "--seed-point 8:5 is not on the grid")])
+def test_data_scaling_refuses_what_would_break_the_grid_before_any_run(argv, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(data_scaling, "run_quality", lambda *a: pytest.fail("ran a point"))
+    with pytest.raises(SystemExit) as stopped:
+        data_scaling.main(["--out", str(tmp_path / "s"), *argv])
+    assert stopped.value.code == 2 and says in capsys.readouterr().err
+
+
+def _fake_point(run, data_dir, prompts, steps, seed):
+    """What quality.py --curve-only leaves for a point: 100 answer tokens a prompt, and a final draft whose rejection
+    rate follows a power law in them (more steps: a little lower; seed 43: tau +0.002), on two held-out records."""
+    tokens = prompts * 100
+    tau = data_scaling.tau_from_alpha(1 - 10 ** (0.3 - 0.12 * math.log10(tokens)) * (1.0 if steps == 8 else 1.1))
+    tau += 0.002 if seed == 43 else 0.0
+    for stage, content in (("cache/manifest.json", {"num_records": prompts - 1,
+                                                    "meta": {"loss_token_counts": [[5, tokens - 40], [9, 40]]}}),
+                           ("regen/DONE.json", {"generated_tokens": tokens + 7})):
+        (data_dir / "train-data" / stage).parent.mkdir(parents=True, exist_ok=True)
+        (data_dir / "train-data" / stage).write_text(json.dumps(content))
+    run.mkdir(parents=True, exist_ok=True)
+    final = {"step": steps, "minutes": 1.0, "replayed_tau": tau, "per_record_tokens": [tau * 900, tau * 1100],
+             "per_record_rounds": [900, 1100]}
+    (run / "curves.json").write_text(json.dumps({
+        "data_s": 60.0, "curves": {"dspark": [final]}, "records": [{"id": "e:mtbench:1"}, {"id": "e:humaneval:2"}],
+        "ngram": {"replayed_tau": 1.8, "per_record_tokens": [1800, 1800], "per_record_rounds": [1000, 1000]},
+        "trained": {"dspark": {"generalization": {"training records": 2.0, "in-distribution held-out": 1.5}}}}))
+
+
+def test_grid_shares_each_data_size_and_writes_the_prediction_before_running_it(tmp_path, monkeypatch, capsys):
+    out, calls = tmp_path / "scaling", []
+
+    def fake_run(run, data_dir, prompts, steps, flags, log):
+        seed = int(flags[flags.index("--set") + 1].split("=")[1]) if "--set" in flags else 42
+        saved = out / "scaling.json"
+        calls.append({"run": run, "data_dir": data_dir, "flags": flags,
+                      "saved": json.loads(saved.read_text()) if saved.is_file() else None})
+        _fake_point(run, data_dir, prompts, steps, seed)
+
+    monkeypatch.setattr(data_scaling, "run_quality", fake_run)
+    assert data_scaling.main(["--out", str(out), "--grid", "8,16:4,8", "--seeds", "2", "--predict", "24:8",
+                              "--eval-per-source", "1", "--add-source", "libcode=1"]) == 0
+    assert [c["run"].relative_to(out).as_posix() for c in calls] == [
+        "p8/s4", "p8/s8", "p16/s4", "p16/s8", "p16/s8-seed43", "p24/s8"]
+    assert [c["data_dir"].name for c in calls] == ["p8", "p8", "p16", "p16", "p16", "p24"]  # one regeneration a size
+    for c in calls:  # quality.py's own flags pass through to every point
+        assert c["flags"][:6] == ["--families", "dspark", "--eval-per-source", "1", "--add-source", "libcode=1"]
+    assert ["--set" in c["flags"] for c in calls] == [False] * 4 + [True, False]
+    # the prediction was on disk before its point ran, and no measurement was in it
+    before = calls[-1]["saved"]["prediction"]
+    assert before["measured_before_prediction"] is False and "measured_tau" not in before
+    assert before["answer_tokens"] == pytest.approx(2400) and before["tokens_per_prompt"] == pytest.approx(100)
+    result = json.loads((out / "scaling.json").read_text())
+    assert (result["fits"]["power_law"]["c"], result["fits"]["power_law"]["d"]) == (pytest.approx(0.3),
+                                                                                   pytest.approx(-0.12))
+    prediction = result["prediction"]
+    assert prediction["tau"]["power_law"] == pytest.approx(prediction["measured_tau"])  # the points follow the law
+    assert prediction["seed_spread"] == pytest.approx(0.002)
+    printed = capsys.readouterr().out
+    assert "| 16 | 15 | 1,600 | 8 | 43 |" in printed and "| 24 (predicted point) | 23 | 2,400 | 8 | 42 |" in printed
+    assert "- data: 16 / 8 prompts at 4 steps: " in printed and "- steps: 8 / 4 steps at 16 prompts: " in printed
+    assert "(log10(1 - alpha) = 0.300 -0.1200 * log10(tokens);" in printed
+    assert "seed 43 / seed 42 at 16:8: tau" in printed and "(difference +0.002)" in printed
+    assert re.search(r"power-law fit [0-9.]+ \(miss [+-]0\.000, inside the seed spread 0\.002", printed)
+
+
+def test_in_distribution_prompts_follow_the_data_runs_seed_not_training_overrides(tmp_path, monkeypatch):
+    """A second training seed (--set seed=43) must not move the in-distribution split: it is the data run's."""
+    from core.recipe import load_recipe, recipe_to_dict
+    from data.prompts import load_prompts
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"question {i}"]}) + "\n" for i in range(60)))
+    sources = f"[{{name: '{prompts}'}}]"
+    monkeypatch.setattr(harness, "answer_and_cache", lambda *a: None)
+    chosen = {}
+    for seed in (42, 43):
+        data_run = tmp_path / f"data{seed}"
+        data_run.mkdir()
+        recipe = load_recipe("dspark_smollm2_135m", [f"seed={seed}", "data.holdout_fraction=0.3"])
+        (data_run / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+        harness.prepare_in_distribution_data(data_run, data_run, sources, 5, 8, 1, tmp_path / "log")
+        chosen[seed] = [json.loads(line)["id"] for line in
+                        (data_run / "in_distribution_prompts.jsonl").read_text().splitlines()]
+        assert chosen[seed] == [p.id for p in load_prompts(yaml.safe_load(sources), 5, 0.3, seed, split="holdout")]
+    assert chosen[42] != chosen[43]
 
 
 def _result(curves: dict, ngram: dict, records: list[dict]) -> dict:
