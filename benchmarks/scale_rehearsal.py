@@ -4,7 +4,7 @@ recipe's own target.layer_ids [1, 9, 17, 25, 33] stand), at two prompt counts. P
 per 10k prompts and the peak RSS of the ranks, and the ratio of the larger count's numbers to the smaller's: a stage
 that holds the whole dataset at once shows a memory ratio above 1 and a time ratio that grows.
 
-    python benchmarks/scale_rehearsal.py --out runs/scale --prompts 5000,50000   # ~20 min on 2 CPU cores
+    python benchmarks/scale_rehearsal.py --out runs/scale --prompts 5000,50000 --layers 12  # ~40 min, 2 CPU cores
     python benchmarks/scale_rehearsal.py --out runs/scale-smoke --prompts 500,2000 --no-write  # a smoke run
 
 The answers come from a fake OpenAI-compatible server started here (TEST/BENCH-ONLY: a threaded http.server that
