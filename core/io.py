@@ -72,6 +72,15 @@ def replace(src, dst) -> None:
 def atomic_write_bytes(path, data: bytes, *, tmp_path=None) -> None:
     """Write `data` to `path` atomically. `tmp_path` fixes the temporary name (a format whose recovery recognises
     its own scratch files, like the hidden-state cache); by default it is a unique name beside `path`."""
+    with atomic_open(path, tmp_path=tmp_path) as handle:
+        handle.write(data)
+
+
+@contextlib.contextmanager
+def atomic_open(path, *, tmp_path=None):
+    """A file open for writing bytes that becomes `path` atomically when the block ends without an error: a file
+    written piece by piece, never held whole in memory (the merged regeneration records). On an error the temporary
+    is removed and `path` stays as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if tmp_path is None:
@@ -82,7 +91,7 @@ def atomic_write_bytes(path, data: bytes, *, tmp_path=None) -> None:
         handle = open(tmp, "wb")
     try:
         with handle:
-            handle.write(data)
+            yield handle
             sync_file(handle)
         os.chmod(tmp, file_mode())
         replace(tmp, path)

@@ -14,13 +14,14 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from data.cache import CacheSpec, TargetCache, bytes_per_token, format_bytes
 from data.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
-from data.regenerate import RECORDS_NAME, read_records
+from data.regenerate import RECORDS_NAME, iter_records
 from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size, weights_fingerprint
 from modeling.vocab import count_tokens
 from core import stage
@@ -38,20 +39,23 @@ def cache_spec(recipe, hidden_size: int, tokenizer) -> CacheSpec:
                      tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), encoding=recipe.cache.encoding)
 
 
-def tokenize_records(records: list[dict], tokenizer, recipe) -> tuple[list[dict], int]:
-    """(input_ids, loss_mask) per conversation; drops those with fewer than data.min_loss_tokens supervised tokens.
+def tokenize_record(record: dict, tokenizer, recipe) -> dict | None:
+    """A conversation's {id, input_ids, loss_mask}; None when it has fewer than data.min_loss_tokens supervised tokens.
     A truncated record's last answer (cut at regen.max_new_tokens) is not supervised as ended."""
-    kept, dropped = [], 0
-    for record in records:
-        input_ids, loss_mask = tokenize_conversation(
-            tokenizer, record["conversations"], enable_thinking=recipe.regen.enable_thinking,
-            thinking=recipe.data.thinking, max_length=recipe.data.max_length,
-            last_answer_cut=record.get("truncated", False))
-        if sum(loss_mask) < recipe.data.min_loss_tokens:
-            dropped += 1
-            continue
-        kept.append({"id": record["id"], "input_ids": input_ids, "loss_mask": loss_mask})
-    return kept, dropped
+    input_ids, loss_mask = tokenize_conversation(
+        tokenizer, record["conversations"], enable_thinking=recipe.regen.enable_thinking,
+        thinking=recipe.data.thinking, max_length=recipe.data.max_length,
+        last_answer_cut=record.get("truncated", False))
+    if sum(loss_mask) < recipe.data.min_loss_tokens:
+        return None
+    return {"id": record["id"], "input_ids": input_ids, "loss_mask": loss_mask}
+
+
+def tokenize_records(records, tokenizer, recipe) -> tuple[list[dict], int]:
+    """(input_ids, loss_mask) lists per conversation, and how many tokenize_record dropped."""
+    rows = [tokenize_record(record, tokenizer, recipe) for record in records]
+    kept = [row for row in rows if row is not None]
+    return kept, len(rows) - len(kept)
 
 
 def regen_digest(regen_dir: Path) -> str:
@@ -65,8 +69,17 @@ def regen_digest(regen_dir: Path) -> str:
 
 
 def training_rows(recipe, regen_dir: Path, tokenizer) -> tuple[list[dict], int]:
-    """The regenerated conversations as (input_ids, loss_mask) rows, in record order, and how many were dropped."""
-    rows, dropped = tokenize_records(read_records(regen_dir), tokenizer, recipe)
+    """The regenerated conversations as (input_ids, loss_mask) rows, in record order, and how many were dropped. The
+    records are read one at a time and each row keeps numpy arrays (int32 ids, uint8 mask: 5 bytes a token, where
+    Python lists took ~44): every rank holds all rows, so this is what grows with the prompt count."""
+    rows, dropped = [], 0
+    for record in iter_records(regen_dir):
+        row = tokenize_record(record, tokenizer, recipe)
+        if row is None:
+            dropped += 1
+        else:
+            rows.append({"id": row["id"], "input_ids": np.asarray(row["input_ids"], dtype=np.int32),
+                         "loss_mask": np.asarray(row["loss_mask"], dtype=np.uint8)})
     if not rows:
         raise RuntimeError(f"no conversation in {regen_dir} has {recipe.data.min_loss_tokens}+ supervised tokens "
                            f"(data.min_loss_tokens)")
@@ -79,7 +92,9 @@ def loss_token_counts(rows: list[dict]) -> list[list[int]]:
     them back costs nothing, where counting means reading (and CRC-checking) every record again."""
     counts = Counter()
     for row in rows:
-        counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+        ids = np.asarray(row["input_ids"], dtype=np.int64)[np.asarray(row["loss_mask"], dtype=bool)]
+        tokens, times = np.unique(ids, return_counts=True)
+        counts.update(dict(zip(tokens.tolist(), times.tolist())))
     return [[int(t), int(c)] for t, c in sorted(counts.items())]
 
 

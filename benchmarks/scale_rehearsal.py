@@ -1,0 +1,297 @@
+"""A scale rehearsal on CPU: the dspark_qwen3_8b recipe's code path end to end (regenerate through the openai backend,
+cache, train with ZeRO-2 on gloo ranks) with a tiny random Qwen3 target (Qwen3Config, hidden 64, 36 layers so the
+recipe's own target.layer_ids [1, 9, 17, 25, 33] stand), at two prompt counts. Per stage it measures the wall seconds
+per 10k prompts and the peak RSS of the ranks, and the ratio of the larger count's numbers to the smaller's: a stage
+that holds the whole dataset at once shows a memory ratio above 1 and a time ratio that grows.
+
+    python benchmarks/scale_rehearsal.py --out runs/scale --prompts 5000,50000 --layers 12  # ~40 min, 2 CPU cores
+    python benchmarks/scale_rehearsal.py --out runs/scale-smoke --prompts 500,2000 --no-write  # a smoke run
+
+The answers come from a fake OpenAI-compatible server started here (TEST/BENCH-ONLY: a threaded http.server that
+answers every /v1/chat/completions request at once with a short answer made from a hash of the conversation; it
+samples nothing and no model runs behind it). Each stage runs as its own torchrun (--stages regenerate, then cache,
+then train) while a thread polls /proc for the ranks (torchrun's children): their peak RSS (VmHWM) is summed over the
+ranks and its largest taken. The train stage runs a fixed number of steps (--train-steps), so its per-10k view is the
+data loading that scales with the prompt count. Writes OUT/scale.json and, unless --no-write, the JSON to
+benchmarks/results/scale-rehearsal-cpu.json. Measured: benchmarks/README.md, "Scale rehearsal on CPU".
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.server
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.harness import OFFLINE, ratio, sets  # noqa: E402
+
+RESULT = ROOT / "benchmarks" / "results" / "scale-rehearsal-cpu.json"
+STAGES = ("regenerate", "cache", "train")
+WORDS = ("the", "answer", "is", "a", "number", "that", "we", "add", "then", "check", "twice", "so", "it", "holds",
+         "for", "every", "case", "here", "and", "done")
+
+
+# --- the fake server (TEST/BENCH-ONLY) ----------------------------------------------------------------------------
+
+
+def fake_answer(messages: list[dict], words: int) -> str:
+    """A short deterministic answer: `words` words picked by a hash of the conversation."""
+    digest = hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).digest()
+    return " ".join(WORDS[b % len(WORDS)] for b in digest[:words]).capitalize() + "."
+
+
+class FakeChatHandler(http.server.BaseHTTPRequestHandler):
+    """POST /v1/chat/completions -> {"choices": [{"message": {"content"}, "finish_reason": "stop"}]}, the shape
+    data/regenerate.py OpenAIBackend parses."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive: requests' session pool reuses the connection
+    answer_words = 12
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/chat/completions":
+            self.send_error(404)
+            return
+        text = fake_answer(body["messages"], self.answer_words)
+        data = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                        "finish_reason": "stop"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):  # one line a request would flood the log
+        pass
+
+
+def start_fake_server(answer_words: int) -> tuple[http.server.ThreadingHTTPServer, str]:
+    handler = type("Handler", (FakeChatHandler,), {"answer_words": answer_words})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+# --- inputs -------------------------------------------------------------------------------------------------------
+
+
+def write_prompts(path: Path, count: int) -> None:
+    """`count` distinct ShareGPT-shaped conversations (human/gpt turns; every fourth has a second human turn), written
+    line by line. The file holds more rows than asked for: data.holdout_fraction keeps 5% of them aside."""
+    with open(path, "w") as handle:
+        for i in range(count):
+            words = " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(4 + i % 29))
+            turns = [{"from": "human", "value": f"Question {i}: {words}?"},
+                     {"from": "gpt", "value": "a source answer that regeneration replaces"}]
+            if i % 4 == 0:
+                turns.append({"from": "human", "value": f"And why is {i % 97} the case?"})
+            handle.write(json.dumps({"id": f"q{i}", "conversations": turns}) + "\n")
+
+
+RECIPE_LAYER_IDS = (1, 9, 17, 25, 33)  # dspark_qwen3_8b's, of Qwen3-8B's 36 layers
+
+
+def layer_ids(layers: int) -> list[int]:
+    """The recipe's layer ids spread over `layers` decoder layers the way they spread over Qwen3-8B's 36."""
+    return [min(round(i * layers / 36), layers - 1) for i in RECIPE_LAYER_IDS]
+
+
+def overrides(target: str, prompt_file: Path, count: int, url: str, args) -> list[str]:
+    return sets(**{
+        "target.name_or_path": target,
+        "target.layer_ids": str(layer_ids(args.layers)),
+        "data.sources": f"[{{name: '{prompt_file}'}}]",
+        "data.num_prompts": count,
+        "data.max_length": 256,
+        "data.min_loss_tokens": 1,
+        "regen.backend": "openai",
+        "regen.server_urls": f"['{url}']",
+        "regen.max_new_tokens": 32,
+        "regen.batch_size": 64,
+        "regen.max_concurrency": 16,
+        "cache.batch_size": 64,  # a tiny target's forward is all per-op overhead: many rows per forward
+        "draft.num_anchors": 16,
+        "draft.markov_rank": 16,  # the head is 2 x rank x the 151,936-token vocabulary: 256 is 78M parameters a rank
+        "train.max_steps": args.train_steps,
+        "train.global_batch_size": 2 * args.nproc,
+        "train.micro_batch_size": 1,
+        "train.save_every": 10_000,
+        "train.log_every": 1,
+        "train.warmup_ratio": 0.0,
+    })
+
+
+# --- measuring ----------------------------------------------------------------------------------------------------
+
+
+def _status_kb(pid: int, key: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    return [int(p) for p in text.split()]
+
+
+class RankMemory:
+    """Polls the ranks (the launcher's children) every `period` s: each one's peak RSS (VmHWM, read until it exits)
+    and the largest sum of their current RSS seen at one poll."""
+
+    def __init__(self, launcher: int, period: float = 0.2):
+        self.launcher, self.period = launcher, period
+        self.hwm_kb: dict[int, int] = {}
+        self.rss_sum_kb = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self):
+        while not self.stop.is_set():
+            now = 0
+            for pid in _children(self.launcher):
+                hwm, rss = _status_kb(pid, "VmHWM"), _status_kb(pid, "VmRSS")
+                if hwm is not None:
+                    self.hwm_kb[pid] = max(self.hwm_kb.get(pid, 0), hwm)
+                now += rss or 0
+            self.rss_sum_kb = max(self.rss_sum_kb, now)
+            self.stop.wait(self.period)
+
+    def finish(self) -> dict:
+        self.stop.set()
+        self.thread.join()
+        peaks = list(self.hwm_kb.values()) or [0]
+        return {"ranks_seen": len(self.hwm_kb), "peak_mb_max_rank": round(max(peaks) / 1024, 1),
+                "peak_mb_sum_ranks": round(sum(peaks) / 1024, 1), "rss_mb_sum_at_once": round(self.rss_sum_kb / 1024, 1)}
+
+
+def run_stage(name: str, out: Path, extra: list[str], nproc: int, log: Path) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "train/main.py", "--recipe", "dspark_qwen3_8b", "--out", str(out), "--stages", name] + extra
+    start = time.perf_counter()
+    with open(log, "a") as handle:
+        handle.write(f"\n$ {' '.join(command)}\n")
+        handle.flush()
+        proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **OFFLINE, "OMP_NUM_THREADS": "1"},
+                                stdout=handle, stderr=subprocess.STDOUT)
+        memory = RankMemory(proc.pid)
+        code = proc.wait()
+    wall = time.perf_counter() - start
+    peaks = memory.finish()
+    if code != 0:
+        raise SystemExit(f"[scale] stage {name} failed (exit {code}); see {log}")
+    found = re.findall(rf"\[{name}\] stage time ([0-9.]+) s", log.read_text())
+    return {"wall_s": round(wall, 1), "stage_s": float(found[-1]) if found else None, **peaks}
+
+
+def rehearse(count: int, out: Path, target: str, url: str, args) -> dict:
+    run = out / f"n{count}"
+    run.mkdir(parents=True, exist_ok=True)
+    prompt_file = run / "prompts.jsonl"
+    write_prompts(prompt_file, int(count * 1.1) + 16)  # 5% held out, and room to spare
+    extra = overrides(target, prompt_file, count, url, args)
+    log = run / "log.txt"
+    stages = {}
+    for name in STAGES:
+        stages[name] = result = run_stage(name, run / "run", extra, args.nproc, log)
+        result["s_per_10k"] = round(result["stage_s"] / count * 10_000, 2) if result["stage_s"] else None
+        print(f"[scale] N={count} {name}: {result}", flush=True)
+    stages["train"]["steps_s"] = train_steps_s(run / "run")
+    done = json.loads((run / "run" / "regen" / "DONE.json").read_text())
+    return {"prompts": count, "records": done.get("records"), "stages": stages}
+
+
+def train_steps_s(run: Path) -> float:
+    """The train stage's optimizer steps alone (metrics.jsonl): the stage's time is mostly its start (on CPU
+    DeepSpeed builds its shared-memory op with ninja into ~/.cache/torch_extensions first, minutes when another
+    checkout's build holds the lock)."""
+    lines = (run / "train" / "metrics.jsonl").read_text().splitlines()
+    return round(sum(json.loads(line)["step_s"] for line in lines), 1)
+
+
+def table(results: list[dict]) -> str:
+    """Stage x prompt count: stage seconds per 10k prompts, the largest rank's peak RSS and the ranks' summed RSS at
+    its highest poll, each with the large count's ratio to the small one's."""
+    small, large = results[0], results[-1]
+    n1, n2 = f"N={small['prompts']:,}", f"N={large['prompts']:,}"
+    lines = [f"| stage | s / 10k prompts, {n1} | {n2} | ratio | peak MB, largest rank, {n1} | {n2} | ratio "
+             f"| MB, ranks summed, {n1} | {n2} | ratio |", "|" + "---|" * 10]
+    for name in STAGES:
+        a, b = small["stages"][name], large["stages"][name]
+        cells = [name]
+        for key in ("s_per_10k", "peak_mb_max_rank", "rss_mb_sum_at_once"):
+            cells += [f"{a[key]:,.1f}" if key == "s_per_10k" else f"{a[key]:,.0f}",
+                      f"{b[key]:,.1f}" if key == "s_per_10k" else f"{b[key]:,.0f}", f"{ratio(b[key], a[key]):.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        counts = []
+    if len(counts) != 2 or min(counts) < 1 or counts[0] >= counts[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected SMALL,LARGE prompt counts, e.g. 5000,50000")
+    return counts
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    parser.add_argument("--out", type=Path, required=True, help="working folder (tiny target, prompts, runs)")
+    parser.add_argument("--prompts", type=parse_counts, default=[5000, 50000],
+                        help="SMALL,LARGE prompt counts (default 5000,50000)")
+    parser.add_argument("--nproc", type=int, default=4, help="gloo ranks (default 4)")
+    parser.add_argument("--layers", type=int, default=36,
+                        help="tiny target's decoder layers (default 36, the recipe's own layer ids; fewer spread "
+                             "the ids the same way: 12 gives [0, 3, 6, 8, 11] at a third of the cache stage's work)")
+    parser.add_argument("--train-steps", type=int, default=4, help="optimizer steps, the same at every count")
+    parser.add_argument("--answer-words", type=int, default=12, help="words in each fake answer (default 12)")
+    parser.add_argument("--no-write", action="store_true", help=f"do not write {RESULT.relative_to(ROOT)}")
+    args = parser.parse_args(argv)
+
+    from data.assets import make_tiny_qwen3
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    target = make_tiny_qwen3(args.out / f"tiny-qwen3-{args.layers}l", num_layers=args.layers)
+    server, url = start_fake_server(args.answer_words)
+    try:
+        results = [rehearse(count, args.out, target, url, args) for count in args.prompts]
+    finally:
+        server.shutdown()
+    text = table(results)
+    print(text)
+    report = {"machine": os.uname().nodename, "nproc": args.nproc, "target_layers": args.layers,
+              "layer_ids": layer_ids(args.layers),
+              "train_steps": args.train_steps, "answer_words": args.answer_words, "results": results, "table": text}
+    (args.out / "scale.json").write_text(json.dumps(report, indent=2) + "\n")
+    if not args.no_write:
+        RESULT.parent.mkdir(parents=True, exist_ok=True)
+        RESULT.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
