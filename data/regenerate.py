@@ -581,10 +581,8 @@ def _merge(out_dir: Path, num_chunks: int) -> dict:
     with atomic_open(out_dir / RECORDS_NAME) as record_file, atomic_open(out_dir / "errors.jsonl") as error_file:
         for k in range(num_chunks):
             chunk = json.loads(chunk_path(out_dir, k).read_text())
-            record_file.write("".join(json.dumps(r, ensure_ascii=False) + "
-" for r in chunk["records"]).encode())
-            error_file.write("".join(json.dumps(e, ensure_ascii=False) + "
-" for e in chunk["errors"]).encode())
+            record_file.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in chunk["records"]).encode())
+            error_file.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in chunk["errors"]).encode())
             records, errors = records + len(chunk["records"]), errors + len(chunk["errors"])
             skipped += sum(bool(e.get("skipped")) for e in chunk["errors"])
             generated += chunk["generated_tokens"]
