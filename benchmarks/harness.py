@@ -233,7 +233,7 @@ def ngram_replay(eval_cache, max_new_tokens: int, eos_token_id) -> dict:
     """Prompt lookup (the n-gram drafter) replayed on the held-out records: its tau, and the tokens and rounds per
     prompt that pair it with a draft's in paired_ratio."""
     from eval.replay import replay_records
-    from eval.spec_decode import NgramDrafter
+    from eval.lookup import NgramDrafter
 
     replay = replay_records(NgramDrafter(), [eval_cache[i] for i in range(len(eval_cache))], 7, max_new_tokens,
                             eos_token_id)

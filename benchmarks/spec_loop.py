@@ -36,8 +36,8 @@ from core.io import atomic_write_json, atomic_write_text  # noqa: E402
 from core.malloc import keep_freed_memory  # noqa: E402
 from data.prompts import eval_prompts  # noqa: E402
 from eval.run import acceptance_metrics, first_turn_ids, hf_generate_result, round_timing  # noqa: E402
-from eval.spec_decode import (NgramDrafter, OracleDrafter, load_draft, speculative_generate,  # noqa: E402
-                              target_generate)
+from eval.lookup import NgramDrafter  # noqa: E402
+from eval.spec_decode import OracleDrafter, load_draft, speculative_generate, target_generate  # noqa: E402
 from modeling import cpu_linear  # noqa: E402
 from modeling.target import SMOLLM2, load_target, load_tokenizer  # noqa: E402
 

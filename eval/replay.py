@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from eval.run import acceptance_metrics
-from eval.spec_decode import NgramDrafter
+from eval.lookup import NgramDrafter, lookup_first_matches, lookup_proposals
 from train.rollout import answer_span, draft_matches, replay_rounds
 
 
@@ -82,44 +82,3 @@ def oracle_matches(draft: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
     prefix (the drafter's on a tie, which advances the same): replay_rounds over it gives the oracle's rounds, each
     advancing by the better of the two proposals."""
     return torch.where((accepted_prefix(draft) >= accepted_prefix(lookup))[:, None], draft, lookup)
-
-
-def lookup_first_matches(draft: torch.Tensor, lookup: torch.Tensor, order: torch.Tensor, min_n: int) -> torch.Tensor:
-    """[S, gamma] the matches of the lookup-first rule: lookup's proposal where it matched at least min_n tokens of
-    the context (order, from lookup_proposals), the drafter's elsewhere."""
-    return torch.where((order >= min_n)[:, None], lookup, draft)
-
-
-def lookup_hits(input_ids: torch.Tensor, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
-    """[B, S] bool: position a is True when prompt lookup over input_ids[: a + 1] proposes input_ids[a + 1] first."""
-    return torch.stack([lookup_matches(ids, 1, max_n, min_n)[:, 0] for ids in input_ids.tolist()])
-
-
-def lookup_matches(ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
-    """[S, gamma] bool, draft_matches for prompt lookup: entry [a, j-1] says whether the n-gram drafter, run over
-    ids[: a + 1], proposes ids[a + j] as its draft j (False past its proposal or the sequence)."""
-    return lookup_proposals(ids, gamma, max_n, min_n)[0]
-
-
-def lookup_proposals(ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lookup_matches [S, gamma], order [S] int: the length n of the context suffix lookup matched at each
-    position, 0 where it proposes nothing).
-
-    The rule of eval's NgramDrafter: the most recent earlier occurrence of the last n tokens, n = max_n..min_n,
-    proposes the (up to gamma) tokens that followed it. One pass, a dict per n of each n-gram's latest end.
-    """
-    out = torch.zeros(len(ids), gamma, dtype=torch.bool)
-    order = torch.zeros(len(ids), dtype=torch.long)
-    latest_end = [dict() for _ in range(max_n + 1)]
-    for a in range(len(ids) - 1):
-        for n in range(min(max_n, a + 1), min_n - 1, -1):
-            end = latest_end[n].get(tuple(ids[a - n + 1: a + 1]))
-            if end is not None:
-                proposal = ids[end + 1: min(end + 1 + gamma, a + 1)]
-                for j, token in enumerate(proposal[: len(ids) - a - 1]):
-                    out[a, j] = token == ids[a + j + 1]
-                order[a] = n
-                break
-        for n in range(min_n, min(max_n, a + 1) + 1):
-            latest_end[n][tuple(ids[a - n + 1: a + 1])] = a
-    return out, order

@@ -39,8 +39,9 @@ from eval import SCHEDULES
 from eval.compare import record_source, source_rows, source_table, tally
 from eval.calibration import calibrate_sts, calibration_report, logits_from_probs, prefix_labels
 from eval.scheduler import VerifySchedule, format_table, profile_sps, simulate
-from eval.spec_decode import (DraftLMDrafter, GenerationResult, LookupFirstDrafter, NgramDrafter, is_greedy,
-                              load_draft, speculative_generate, sync_clock, target_generate)
+from eval.lookup import LookupFirstDrafter, NgramDrafter
+from eval.spec_decode import (DraftLMDrafter, GenerationResult, is_greedy, load_draft, speculative_generate, sync_clock,
+                              target_generate)
 from export.serving import SpsTable, load_sts, save_sts
 from modeling.registry import draft_digest
 from modeling.target import TargetRunner, load_target, load_tokenizer

@@ -20,7 +20,7 @@ Drafters (`Drafter`: reset / propose / accept; the loop never looks inside)
                     one parallel block pass anchored at the pending token (which, as in training, sees only context
                     positions < anchor), then DSpark's Markov head samples left to right; sigmoid confidences.
     Eagle3Drafter   `LlamaForCausalLMEagle3`: a chain of gamma steps as in TTT; draft ids -> target ids via d2t.
-    NgramDrafter    prompt lookup; DraftLMDrafter: any HF causal LM sharing the tokenizer, with its own KV cache.
+    DraftLMDrafter  any HF causal LM sharing the tokenizer, with its own KV cache. Prompt lookup: eval/lookup.py.
 `load_draft(dir, target)` builds the right one from a saved `runs/<recipe>/train/final/` (or a serving export).
 `target_generate` is plain autoregressive decoding with the same cached target: the speed baseline and the T=0
 reference (speculative output must equal it token for token).
@@ -322,59 +322,6 @@ class Eagle3Drafter(Drafter):
                 probs.append(full)
         self.last = Proposal(tokens, torch.stack(probs) if probs else None, None)
         return self.last
-
-
-class NgramDrafter(Drafter):
-    """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n = max_n..min_n) in the
-    sequence and propose what followed it. One-hot proposals (probs None)."""
-
-    def __init__(self, max_n: int = 3, min_n: int = 1, gamma: int = 4):
-        self.max_n, self.min_n, self.default_gamma = max_n, min_n, gamma
-
-    def propose(self, gamma, temperature, generator):
-        seq = self.tokens
-        for n in range(min(self.max_n, len(seq) - 1), self.min_n - 1, -1):
-            suffix = seq[-n:]
-            for start in range(len(seq) - n - 1, -1, -1):  # most recent match first; never the suffix itself
-                if seq[start: start + n] == suffix:
-                    self.last = Proposal(seq[start + n: start + n + gamma], None, None)
-                    return self.last
-        self.last = Proposal([], None, None)
-        return self.last
-
-
-class LookupFirstDrafter(Drafter):
-    """Prompt lookup first, the trained drafter otherwise: a round proposes what followed the most recent earlier
-    occurrence of the context's last n >= min_n tokens when there is one (a copy, at lookup's precision and without
-    the drafter's cost), else the drafter's own proposal. Each round is verified as usual, so the output is the
-    target's own. No serving engine runs this rule (SGLang and vLLM serve one drafting method per server): it is
-    measured (eval.py --lookup-first), never a serving default. Both drafters see every verified token and state."""
-
-    def __init__(self, drafter: Drafter, min_n: int = 2, max_n: int = 3):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"lookup-first needs 1 <= min_n <= max_n, got min_n {min_n}, max_n {max_n}")
-        self.drafter, self.lookup = drafter, NgramDrafter(max_n, min_n, drafter.default_gamma)
-        self.layer_ids, self.default_gamma = drafter.layer_ids, drafter.default_gamma
-        self.model = getattr(drafter, "model", None)
-
-    def reset(self, tokens, target_hidden):
-        super().reset(tokens, target_hidden)
-        self.drafter.reset(tokens, target_hidden)
-        self.copied_rounds = 0
-
-    def propose(self, gamma, temperature, generator):
-        self.lookup.tokens = self.tokens
-        self.last = self.lookup.propose(gamma, temperature, generator)
-        if self.last.tokens:
-            self.copied_rounds += 1
-        else:
-            self.last = self.drafter.propose(gamma, temperature, generator)
-        return self.last
-
-    def accept(self, num_accepted, next_token, target_hidden):
-        super().accept(num_accepted, next_token, target_hidden)
-        self.drafter.last = self.last  # the proposal verified this round, whichever drafter made it
-        self.drafter.accept(num_accepted, next_token, target_hidden)
 
 
 class OracleDrafter(Drafter):

@@ -9,7 +9,8 @@ import torch
 
 from eval.compare import (COPY_HEAVY_TAU, format_ratio, paired_ratio, record_groups, record_source, source_rows,
                           source_table, subset_tau)
-from eval.replay import accepted_prefix, lookup_matches, oracle_matches, replay_records
+from eval.lookup import lookup_matches
+from eval.replay import accepted_prefix, oracle_matches, replay_records
 from train.rollout import replay_rounds
 
 
@@ -113,7 +114,7 @@ def test_replay_records_reports_the_oracle_chooser(monkeypatch):
     """replay_records pairs the drafter's matches with prompt lookup's on the same record: a drafter that never
     matches leaves the chooser lookup's rounds, one that always matches its own; prompt lookup itself has none."""
     import eval.replay as replay
-    from eval.spec_decode import NgramDrafter
+    from eval.lookup import NgramDrafter
 
     ids = torch.tensor([5, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3, 9, 1, 2])
     record = {"input_ids": ids, "loss_mask": torch.tensor([0] * 4 + [1] * 10)}

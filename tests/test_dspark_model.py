@@ -462,8 +462,7 @@ def test_dropout_is_training_only_and_seeded_per_micro_batch():
 def test_lookup_hits_are_the_ngram_drafters_first_proposals():
     """eval.replay.lookup_hits marks the positions whose next token the n-gram drafter (prompt lookup) proposes
     first: the same rule, checked against NgramDrafter itself on repetitive random rows."""
-    from eval.replay import lookup_hits
-    from eval.spec_decode import NgramDrafter
+    from eval.lookup import NgramDrafter, lookup_hits
 
     g = torch.Generator().manual_seed(11)
     rows = torch.randint(0, 6, (3, 50), generator=g)  # 6 symbols: many repeats of every n-gram length
@@ -483,7 +482,7 @@ def test_replay_reports_first_draft_accuracy_where_lookup_hits(monkeypatch):
     """eval/replay.py splits the first-draft accuracy by whether prompt lookup gets the next token right: a drafter
     whose first draft is right exactly where lookup is right scores 1.0 there and 0.0 elsewhere."""
     import eval.replay as replay
-    from eval.replay import lookup_hits
+    from eval.lookup import lookup_hits
 
     ids = torch.tensor([5, 1, 2, 3, 1, 2, 3, 4, 1, 2, 9, 9, 9, 9])
     record = {"input_ids": ids, "loss_mask": torch.tensor([0, 0, 0] + [1] * 11)}

@@ -20,8 +20,6 @@ from eval.spec_decode import (
     DraftLMDrafter,
     Drafter,
     Eagle3Drafter,
-    LookupFirstDrafter,
-    NgramDrafter,
     OracleDrafter,
     Proposal,
     argmax,
@@ -31,6 +29,7 @@ from eval.spec_decode import (
     target_generate,
     verify_sampling,
 )
+from eval.lookup import LookupFirstDrafter, NgramDrafter, lookup_first_matches, lookup_matches, lookup_proposals
 from eval.scheduler import VerifySchedule
 from export.convert import export_draft
 from export.serving import SpsTable
@@ -667,7 +666,7 @@ def test_replay_stops_at_the_end_of_turn_token_like_the_loop(target):
 def test_ngram_replay_gives_the_loops_rounds(gamma, target):
     """Prompt lookup replayed over the greedy answer (eval.replay.lookup_matches: no target, no loop) runs the loop's
     own rounds with the n-gram drafter: the baseline a learning curve prints beside the drafts' replayed tau."""
-    from eval.replay import lookup_matches, replay_records
+    from eval.replay import replay_records
     from train.rollout import answer_span, replay_rounds
 
     records, accepted = [], 0
@@ -692,7 +691,6 @@ def test_lookup_first_is_lossless_and_replays_the_loops_rounds(min_n, target):
     the draft's otherwise) emits the target's own tokens, uses both kinds of round, and eval.replay's
     lookup_first_matches replays its rounds exactly from the greedy answer (so quality.py can report the rule
     without running the loop)."""
-    from eval.replay import lookup_first_matches, lookup_proposals
     from train.rollout import answer_span, draft_matches, replay_rounds
 
     inner = make_drafter("dspark", target)
