@@ -145,7 +145,7 @@ def test_regeneration_server_lands_on_the_ranks_visible_gpu(monkeypatch):
     (torch's cuda:1), not GPU 1 (another job's); without the variable, GPU 1; past the list, a clear error."""
     from core.dist import Dist
     from core.server_procs import visible_gpu
-    from data.regenerate import _vllm_placement
+    from data.regen_backends import _vllm_placement
 
     rank = Dist(rank=1, world_size=4, local_rank=1, device=torch.device("cuda", 1))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
