@@ -3,7 +3,8 @@ Answer`, one Answer per conversation, in order.
   * `HFBackend`: in-process batched `model.generate` (default; the embedded target on CPU, any HF model on GPU);
   * `OpenAIBackend`: any OpenAI-compatible server already running (SGLang `launch_server`, vLLM); several URLs = data
     parallel;
-  * `VLLMBackend`: a vLLM server the stage starts itself, one per rank, driven through OpenAIBackend;
+  * `VLLMBackend`, `SGLangBackend` (`OwnServerBackend`): a vLLM or SGLang server the stage starts itself, one per
+    rank (on a GPU machine the rank's GPU), sent token ids and answering token ids;
   * `SourceBackend` (regen.backend: source) generates nothing: it keeps the source's own answers (EAGLE's fixed-data
     training), for `loss.ce_labels: target`, where the target's labels come from the cache stage's forward.
 """
@@ -27,7 +28,7 @@ from data.chat import render_prompt_ids
 from data.rows import Prompt
 from core.dist import Dist
 from core.redact import redact_url, redact_urls
-from core.server import LiveServer, default_engine_python, free_port, vllm_server_command
+from core.server import LiveServer, default_engine_python, free_port, sglang_server_command, vllm_server_command
 from core.server_procs import visible_gpu
 from modeling.target import resolve_target, target_dtype
 
@@ -181,7 +182,9 @@ class OpenAIBackend:
 
     def _sampling(self, seed: int) -> dict:
         regen = self.regen
-        return {"temperature": regen.temperature, "top_p": regen.top_p, "top_k": regen.top_k, "seed": seed}
+        # -1 for no top-k cut: SGLang refuses 0 (vLLM takes either)
+        top_k = regen.top_k if regen.top_k > 0 else -1
+        return {"temperature": regen.temperature, "top_p": regen.top_p, "top_k": top_k, "seed": seed}
 
     def _chat_answer(self, choice: dict) -> Answer:
         text = choice["message"]["content"] or ""
@@ -223,32 +226,37 @@ class OpenAIBackend:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-class VLLMBackend(OpenAIBackend):
-    """regen.backend: vllm. Starts a vLLM server for the target itself (one per rank: on a CPU machine the rank's
-    share of the cores, on a GPU machine the rank's GPU), sends every prompt as the token ids the HF backend would
-    feed the model, keeps the token ids the server returns (no text round trip: greedy answers equal the HF
-    backend's, token for token), and stops the server when the stage ends, whatever happened. vLLM batches the
-    requests continuously (a finished answer's slot is refilled at once, prompts are not padded): on 2 CPU cores it
-    regenerates ~3x faster than the HF backend (benchmarks/regenerate.py)."""
+class OwnServerBackend(OpenAIBackend):
+    """A server for the target that the stage starts itself (regen.backend: vllm, sglang), one per rank, data parallel
+    over the ranks: it sends every prompt as the token ids the HF backend would feed the model to /v1/completions and
+    keeps the token ids the server returns (no text round trip: greedy answers equal the HF backend's, token for
+    token; both engines take a prompt of ids and answer `choices[0].token_ids`, the stop token included, under
+    `return_token_ids`), and stops the server when the stage ends, whatever happened. Its log is
+    `<stage folder>/<engine>-rank<r>.log`. A subclass names the engine and how its server is started and placed."""
+
+    ENGINE = ""
 
     def __init__(self, tokenizer, regen, max_length: int, target: str, dtype: str, dist: Dist, log_dir: Path):
         target_path = resolve_target(target)
         super().__init__(tokenizer, regen, model_name=target_path)
         self.max_length = max_length
-        python = regen.engine_python or default_engine_python("vllm")
-        on_gpu = dist.device.type == "cuda"
+        python = regen.engine_python or default_engine_python(self.ENGINE)
         dtype = str(target_dtype(dtype, dist.device)).removeprefix("torch.")  # the HF backend's
         port = free_port()
-        eager = () if on_gpu else ("--enforce-eager",)  # torch.compile on CPU: minutes of startup, same numerics
-        # The server's sampling defaults come from the request alone, not from the model's generation_config.json
-        # (its extra stop tokens or default temperature would make answers differ from the HF backend's).
-        argv = vllm_server_command(python, target_path, port, dtype=dtype, max_model_len=max_length,
-                                   extra=("--generation-config", "vllm", *eager, *regen.server_args))
-        self.server = LiveServer(argv, port=port, log_path=Path(log_dir) / f"vllm-rank{dist.rank}.log",
-                                 env=_vllm_placement(dist), startup_timeout=regen.server_startup_s)
+        argv = self.command(python, target_path, port, dtype, on_gpu=dist.device.type == "cuda")
+        self.server = LiveServer(argv, port=port, log_path=Path(log_dir) / f"{self.ENGINE}-rank{dist.rank}.log",
+                                 env=self.placement(dist), startup_timeout=regen.server_startup_s)
         self.server.__enter__()  # the last step: nothing after it can fail and leave the server running
         self.startup_s = self.server.startup_s
         self.urls = [self.server.url]
+
+    def command(self, python: str, target_path: str, port: int, dtype: str, on_gpu: bool) -> list[str]:
+        raise NotImplementedError
+
+    @staticmethod
+    def placement(dist: Dist) -> dict[str, str]:
+        """The server's environment that puts it on rank `dist.rank`'s share of the machine."""
+        raise NotImplementedError
 
     def generate(self, conversations: list[list[dict]], seed: int) -> list[Answer]:
         futures = []
@@ -274,18 +282,59 @@ class VLLMBackend(OpenAIBackend):
         self.server.stop()
 
 
-def _vllm_placement(dist: Dist) -> dict[str, str]:
-    """The environment that puts rank `dist.rank`'s vLLM server on its own GPU (`visible_gpu`: among the GPUs this
-    process was given), or on its own share of the CPU cores (all of them for one rank: vLLM's default keeps one
-    core back, a third of the speed on 2 cores)."""
-    if dist.device.type == "cuda":
-        return {"CUDA_VISIBLE_DEVICES": visible_gpu(dist.device.index or 0)}
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    share = max(len(cores) // ranks_here, 1)
-    mine = cores[dist.local_rank * share: (dist.local_rank + 1) * share] or cores
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+class VLLMBackend(OwnServerBackend):
+    """regen.backend: vllm. On a CPU machine each rank's server gets the rank's share of the cores, on a GPU machine
+    the rank's GPU. vLLM batches the requests continuously (a finished answer's slot is refilled at once, prompts are
+    not padded): on 2 CPU cores it regenerates ~3x faster than the HF backend (benchmarks/regenerate.py)."""
+
+    ENGINE = "vllm"
+
+    def command(self, python: str, target_path: str, port: int, dtype: str, on_gpu: bool) -> list[str]:
+        eager = () if on_gpu else ("--enforce-eager",)  # torch.compile on CPU: minutes of startup, same numerics
+        # The server's sampling defaults come from the request alone, not from the model's generation_config.json
+        # (its extra stop tokens or default temperature would make answers differ from the HF backend's).
+        return vllm_server_command(python, target_path, port, dtype=dtype, max_model_len=self.max_length,
+                                   extra=("--generation-config", "vllm", *eager, *self.regen.server_args))
+
+    @staticmethod
+    def placement(dist: Dist) -> dict[str, str]:
+        """The rank's GPU (`gpu_placement`), or its own share of the CPU cores (all of them for one rank: vLLM's
+        default keeps one core back, a third of the speed on 2 cores)."""
+        if dist.device.type == "cuda":
+            return gpu_placement(dist)
+        cores = (sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else list(range(os.cpu_count() or 1)))
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        share = max(len(cores) // ranks_here, 1)
+        mine = cores[dist.local_rank * share: (dist.local_rank + 1) * share] or cores
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+
+
+class SGLangBackend(OwnServerBackend):
+    """regen.backend: sglang (the Qwen3 recipes'), SGLang 0.5.23's `launch_server`, each rank's on the rank's GPU.
+    GPU only: SGLang's CPU engine needs a CPU build of sgl_kernel that no wheel ships (pipeline.py refuses the backend
+    without CUDA). Unlike vLLM's it also stops at generation_config.json's extra eos ids (Qwen3's <|endoftext|>; no
+    flag turns that off), where the HF backend goes on. Not yet run on a GPU: its command line is checked by SGLang's
+    own parser, its requests and answers against a fake server in SGLang's response shape (test_regen_sglang.py)."""
+
+    ENGINE = "sglang"
+
+    def command(self, python: str, target_path: str, port: int, dtype: str, on_gpu: bool) -> list[str]:
+        # --sampling-defaults openai: the request alone sets the sampling (under `model`, SGLang's default, the
+        # model's generation_config.json would fill what the request leaves out: its min_p, repetition_penalty).
+        return sglang_server_command(python, target_path, port, dtype=dtype, context_length=self.max_length,
+                                     extra=("--sampling-defaults", "openai", *self.regen.server_args))
+
+    @staticmethod
+    def placement(dist: Dist) -> dict[str, str]:
+        return gpu_placement(dist) if dist.device.type == "cuda" else {}
+
+
+def gpu_placement(dist: Dist) -> dict[str, str]:
+    """The environment that puts rank `dist.rank`'s server on its own GPU: `visible_gpu`, among the GPUs this process
+    was given."""
+    return {"CUDA_VISIBLE_DEVICES": visible_gpu(dist.device.index or 0)}
 
 
 def _retry_after_s(response, default: float) -> float:
@@ -314,6 +363,10 @@ class SourceBackend:
         return Answer(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))
 
 
+#: regen.backend -> the backend that starts its own server (core/recipe.py's names; pipeline.py checks its python).
+OWN_SERVER_BACKENDS = {"vllm": VLLMBackend, "sglang": SGLangBackend}
+
+
 @contextlib.contextmanager
 def open_backend(recipe, out_dir: Path, dist: Dist, get_model, tokenizer, needed: bool):
     """The recipe's backend, closed (a started server stopped) when the stage ends; None when this rank has no chunk
@@ -323,9 +376,9 @@ def open_backend(recipe, out_dir: Path, dist: Dist, get_model, tokenizer, needed
         backend = None
     elif regen.backend == "openai":
         backend = OpenAIBackend(tokenizer, regen, regen.served_model or recipe.target.name_or_path)
-    elif regen.backend == "vllm":
-        backend = VLLMBackend(tokenizer, regen, recipe.data.max_length, recipe.target.name_or_path,
-                              recipe.target.dtype, dist, out_dir)
+    elif regen.backend in OWN_SERVER_BACKENDS:
+        backend = OWN_SERVER_BACKENDS[regen.backend](tokenizer, regen, recipe.data.max_length,
+                                                     recipe.target.name_or_path, recipe.target.dtype, dist, out_dir)
     elif regen.backend == "source":
         backend = SourceBackend(tokenizer)
     else:
