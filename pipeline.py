@@ -27,7 +27,7 @@ from core import stage
 from core.io import LockedError, atomic_write_bytes, atomic_write_text, lock_for_process, remove_own_temps
 from core.malloc import keep_freed_memory
 from core.recipe import RecipeError, list_recipes, load_recipe, shareable_recipe_dict
-from core.server import engine_python_problem
+from core.server import ENGINES, engine_python_problem
 from data.sources import source_problem
 
 # The stages' modules (torch, transformers: ~12 s to import on a small machine) are imported where they are first
@@ -168,6 +168,8 @@ def missing_inputs(recipe, stages: list[str], out: Path) -> list[str]:
 def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[str]:
     """What the recipe schema cannot see and a stage would find only hours later (an eval set named wrong is found
     after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
+    import torch
+
     from modeling.target import target_path_problem, target_shape
 
     problems = missing_inputs(recipe, stages, out)
@@ -182,11 +184,16 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
             source(f"data.sources[{i}]", src.name, src.path)
     if "eval" in stages:
         source("eval.dataset", recipe.eval.dataset, None)
-    if "regenerate" in stages and recipe.regen.backend == "vllm" and not stage.is_done(out / "regen"):
-        problem = engine_python_problem("vllm", recipe.regen.engine_python,
-                                        "regen.engine_python (or $DRAFTSMITH_VLLM_PYTHON) to a python with vllm")
+    engine = recipe.regen.backend if recipe.regen.backend in ENGINES else None  # a server the stage starts
+    if "regenerate" in stages and engine and not stage.is_done(out / "regen"):
+        setting = "regen.engine_python" + (" (or $DRAFTSMITH_VLLM_PYTHON)" if engine == "vllm" else "")
+        problem = engine_python_problem(engine, recipe.regen.engine_python, f"{setting} to a python with {engine}")
         if problem:
-            problems.append(f"regen.backend vllm: {problem}")
+            problems.append(f"regen.backend {engine}: {problem}")
+        if engine == "sglang" and not torch.cuda.is_available():
+            problems.append("regen.backend sglang: no CUDA device here, and SGLang serves on GPUs (its CPU engine "
+                            "needs a CPU build of sgl_kernel that no wheel ships); on a CPU machine --set "
+                            "regen.backend=vllm (a vLLM server per rank) or regen.backend=hf (in-process)")
     missing_target = target_path_problem(recipe.target.name_or_path)
     if missing_target:
         return problems + [f"target.name_or_path: {missing_target}"]  # nothing below can read its config

@@ -3,7 +3,7 @@ one GPU, in under 10 minutes.
 
     make gpu-check                                   # on a CUDA machine (python benchmarks/gpu_check.py)
     python benchmarks/gpu_check.py --dry-run         # list the checks, run nothing
-    python benchmarks/gpu_check.py --allow-cpu       # rehearse on CPU (nccl and sglang-live are skipped)
+    python benchmarks/gpu_check.py --allow-cpu       # rehearse on CPU (nccl and the SGLang checks are skipped)
     python benchmarks/gpu_check.py --only export,sglang-live
 
 Every run uses a tiny random Qwen3 (hidden 64, 40 layers; the Qwen3 recipes' layer ids exist) with the real Qwen3
@@ -31,6 +31,8 @@ from benchmarks.harness import OFFLINE  # noqa: E402
 PROMPTS = [{"turns": [f"Explain idea number {i} in one sentence.", "Now give an example."]} for i in range(16)]
 SMALL = {
     "data.num_prompts": 12, "data.min_loss_tokens": 1, "data.max_length": 256,
+    # in-process regeneration: the tiny target's answers feed the training checks (--allow-cpu runs them on a CPU)
+    "regen.backend": "hf",
     "regen.max_new_tokens": 24, "regen.batch_size": 4, "regen.temperature": 0, "cache.records_per_shard": 4,
     "draft.num_layers": 1, "draft.num_anchors": 16, "draft.block_size": 4, "draft.draft_vocab_size": 2048,
     "draft.ttt_length": 3, "train.global_batch_size": 4, "train.max_steps": 6, "train.save_every": 2,
@@ -46,6 +48,8 @@ CHECKS = {
     "export": "the DSpark export for SGLang: config dtype = the target's, weights in it, the printed serve command",
     "sglang-live": "SGLang launch_server with the DSpark export, live accept length against our loop's (where SGLang "
                    "imports with CUDA)",
+    "regen-sglang": "the regenerate stage through the SGLang server it starts (the Qwen3 recipes' backend), greedy; "
+                    "its answers beside train-dspark's in-process ones",
 }
 
 
@@ -61,8 +65,10 @@ class Run:
         self.prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
         self.env = {**os.environ, **OFFLINE}
 
-    def pipeline(self, family: str, out: Path, stages: str, env_extra=None) -> subprocess.CompletedProcess:
-        sets = dict(SMALL, **{"target.name_or_path": self.target, "data.sources": f"[{{name: '{self.prompts}'}}]"})
+    def pipeline(self, family: str, out: Path, stages: str, env_extra=None, sets_extra=None
+                 ) -> subprocess.CompletedProcess:
+        sets = dict(SMALL, **{"target.name_or_path": self.target, "data.sources": f"[{{name: '{self.prompts}'}}]"},
+                    **(sets_extra or {}))
         if family == "dspark":
             sets["draft.markov_rank"] = 16
         cmd = [sys.executable, "train/main.py", "--recipe", f"{family}_qwen3_8b", "--out", str(out),
@@ -163,6 +169,30 @@ def check_sglang_live(run: Run) -> tuple[str, str]:
     return ("PASS" if done.returncode == 0 else "FAIL"), detail
 
 
+def check_regen_sglang(run: Run) -> tuple[str, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "SKIP", "no CUDA device (SGLang serves on GPUs only)"
+    out = run.work / "regen-sglang"
+    done = run.pipeline("dspark", out, "regenerate", sets_extra={"regen.backend": "sglang"})
+    if done.returncode != 0:
+        return "FAIL", failed(done)
+
+    def answers(folder: Path) -> dict:
+        rows = [json.loads(line) for line in (folder / "regen" / "records.jsonl").read_text().splitlines()]
+        return {r["id"]: r["response_ids"] for r in rows}
+
+    served = answers(out)
+    startup = json.loads((out / "regen" / "DONE.json").read_text()).get("server_startup_s")
+    detail = f"{len(served)} conversations, server up in {startup} s"
+    if (run.work / "dspark" / "regen" / "records.jsonl").is_file():  # greedy both: bf16 kernels may still differ
+        hf = answers(run.work / "dspark")
+        same = sum(served.get(k) == v for k, v in hf.items())
+        detail += f"; {same}/{len(hf)} the same token ids as the in-process backend's"
+    return ("PASS" if served else "FAIL"), detail
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu_check.py", description=__doc__.split("\n")[0],
                                      epilog="checks: " + "; ".join(f"{k}: {v}" for k, v in CHECKS.items()))
@@ -189,7 +219,8 @@ def main(argv=None) -> int:
     run = Run(Path(args.out or tempfile.mkdtemp(prefix="draftsmith-gpu-check-")))
     steps = {"nccl": check_nccl, "train-dspark": lambda r: check_train(r, "dspark"),
              "train-dflash": lambda r: check_train(r, "dflash"), "train-eagle3": lambda r: check_train(r, "eagle3"),
-             "kill-resume": check_kill_resume, "export": check_export, "sglang-live": check_sglang_live}
+             "kill-resume": check_kill_resume, "export": check_export, "sglang-live": check_sglang_live,
+             "regen-sglang": check_regen_sglang}
     results = {}
     for name in chosen:
         start = time.perf_counter()

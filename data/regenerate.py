@@ -1,11 +1,8 @@
 """Regeneration: the target answers every training prompt itself, so the drafter learns the target's distribution.
 
 Each user turn is replayed in order with the target's own earlier answers as context; the source's answers are never
-used. Two backends share one interface, `generate(list of message lists) -> list of Answer`:
-  * `HFBackend`: in-process batched `model.generate` (default; the embedded target on CPU, any HF model on GPU);
-  * `OpenAIBackend`: any OpenAI-compatible server (SGLang `launch_server`, vLLM); several URLs = data parallel.
-A third, `SourceBackend` (regen.backend: source), generates nothing: it keeps the source's own answers (EAGLE's
-fixed-data training), for `loss.ce_labels: target`, where the target's labels come from the cache stage's forward.
+used. The backends (in-process HF, servers already running, servers the stage starts itself, the source's own answers)
+are in data/regen_backends.py; this module is the stage: chunks, resume, merge.
 
 Resume: prompts are cut into fixed chunks of `regen.batch_size`; chunk k goes to rank k % world and is written to
 `chunks/chunk-k.json` atomically once all its conversations are done, with a seed derived from (recipe seed, k).
@@ -27,313 +24,20 @@ which the target never wrote there, is not supervised; a record without the key 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import json
-import math
-import os
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import requests
-import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import load_prompts
+from data.regen_backends import Answer, OpenAIBackend, SourceBackend, open_backend
 from data.rows import Prompt
 from core import stage
 from core.io import atomic_open, atomic_write_json
 from core.dist import Dist, fault_point
-from core.redact import redact_url, redact_urls
-from core.server import LiveServer, default_engine_python, free_port, vllm_server_command
-from core.server_procs import visible_gpu
-from modeling.target import resolve_target, target_dtype
-
-
-@dataclass
-class Answer:
-    text: str = ""
-    token_ids: list[int] | None = None
-    error: str | None = None
-    #: the prompt no longer fits data.max_length: a later turn ends the conversation there, a first turn fails it.
-    too_long: bool = False
-    #: the server failed, not the prompt (HTTP 429/5xx, no connection, a timeout): the next run asks again.
-    retryable: bool = False
-    #: the answer reached the token limit without ending its turn.
-    truncated: bool = False
-
-
-# --- backends -----------------------------------------------------------------------------------------------------
-
-
-def fitting_prompt_ids(tokenizer, messages: list[dict], regen, max_length: int) -> list[int] | Answer:
-    """The ids the target is prompted with, or the too-long refusal when they leave no room below data.max_length."""
-    ids = render_prompt_ids(tokenizer, messages, enable_thinking=regen.enable_thinking)
-    if len(ids) >= max_length:
-        return Answer(error=f"prompt is {len(ids)} tokens, not below data.max_length={max_length}", too_long=True)
-    return ids
-
-
-class HFBackend:
-    """Batched sampling with a transformers model, left-padded."""
-
-    def __init__(self, model, tokenizer, regen, max_length: int):
-        self.model, self.tokenizer, self.regen, self.max_length = model, tokenizer, regen, max_length
-
-    def generate(self, conversations: list[list[dict]], seed: int) -> list[Answer]:
-        answers: list[Answer | None] = [None] * len(conversations)
-        prompts, slots = [], []
-        for i, messages in enumerate(conversations):
-            ids = fitting_prompt_ids(self.tokenizer, messages, self.regen, self.max_length)
-            if isinstance(ids, Answer):
-                answers[i] = ids
-            else:
-                prompts.append(ids)
-                slots.append(i)
-        if prompts:
-            for i, answer in zip(slots, self._sample(prompts, seed)):
-                answers[i] = answer
-        return answers
-
-    @torch.inference_mode()
-    def _sample(self, prompts: list[list[int]], seed: int) -> list[Answer]:
-        pad = self.tokenizer.pad_token_id
-        width = max(map(len, prompts))
-        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        device = self.model.device
-        regen = self.regen
-        sample = regen.temperature > 0
-        limits = [min(regen.max_new_tokens, self.max_length - len(p)) for p in prompts]
-        torch.manual_seed(seed)
-        out = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            past_key_values=self._prompt_cache(prompts, width),
-            # each row's own limit is cut below: a short prompt is not cut short by the batch's longest one
-            max_new_tokens=max(limits),
-            do_sample=sample,
-            temperature=regen.temperature if sample else None,
-            top_p=regen.top_p if sample else None,
-            top_k=regen.top_k if sample else None,
-            pad_token_id=pad,
-            eos_token_id=self.tokenizer.eos_token_id,
-        )
-        answers = []
-        eos = self.tokenizer.eos_token_id
-        for row, limit in zip(out[:, width:].tolist(), limits):
-            row = row[:limit]
-            truncated = eos not in row  # generation stops at eos: a row without one ran into its token limit
-            row = [t for t in row if t != pad] if truncated else row[: row.index(eos) + 1]
-            text = self.tokenizer.decode(row, skip_special_tokens=True)
-            answers.append(Answer(text=text, token_ids=row, truncated=truncated))
-        return answers
-
-    def _prompt_cache(self, prompts: list[list[int]], width: int) -> DynamicCache | None:
-        """On a CPU, the batch's KV cache for all but each prompt's last token, every prompt run alone and its cache
-        left-padded (the padding masked, as generate's own prefill masks it). A CPU's prefill of a batch padded to its
-        longest prompt costs batch x width tokens, and ShareGPT lengths differ 10x within a batch: this costs the
-        prompts' own tokens (measured: the same greedy answers, 1.4x faster on a 16-prompt batch of 33-407 tokens).
-        None (generate's own padded prefill) on a GPU, where the padded prefill runs in parallel, and with
-        regen.prefill: padded."""
-        if self.regen.prefill == "padded" or self.model.device.type != "cpu" or min(map(len, prompts)) < 2:
-            return None
-        caches = []
-        for ids in prompts:
-            cache = DynamicCache(config=self.model.config)
-            self.model(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
-            caches.append(cache)
-        batch = DynamicCache(config=self.model.config)
-        pad = [(0, 0, width - len(ids), 0) for ids in prompts]  # on the left of the sequence axis
-        for layer in range(len(caches[0].layers)):
-            keys = [torch.nn.functional.pad(c.layers[layer].keys, p) for c, p in zip(caches, pad)]
-            values = [torch.nn.functional.pad(c.layers[layer].values, p) for c, p in zip(caches, pad)]
-            batch.update(torch.cat(keys), torch.cat(values), layer)
-        return batch
-
-
-#: the longest wait a server's Retry-After header gets.
-MAX_RETRY_AFTER_S = 30.0
-#: HTTP statuses that blame the request itself (an over-long prompt, a bad body): final, like data.max_length's refusal.
-_REQUEST_ERRORS = frozenset({400, 413, 422})
-
-
-class RegenStallError(RuntimeError):
-    """The servers stopped answering: no request finished for regen.stall_timeout_s."""
-
-
-class OpenAIBackend:
-    """POST /v1/chat/completions to one or more servers; request i goes to server i % len(urls)."""
-
-    def __init__(self, tokenizer, regen, model_name: str):
-        self.tokenizer, self.regen, self.model_name = tokenizer, regen, model_name
-        self.urls = [u.rstrip("/") for u in regen.server_urls]
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=regen.max_concurrency)
-        self.stalled = threading.Event()  # set once a stall stopped the stage: no request starts another attempt
-
-    def generate(self, conversations: list[list[dict]], seed: int) -> list[Answer]:
-        futures = [self.pool.submit(self._one, messages, seed + i, self.urls[i % len(self.urls)])
-                   for i, messages in enumerate(conversations)]
-        return self._gather(futures)
-
-    def _gather(self, futures: list) -> list[Answer]:
-        """The futures' answers; RegenStallError when none of them finishes for regen.stall_timeout_s (the chunk is
-        then not written, so a rerun asks again)."""
-        pending = {f for f in futures if isinstance(f, concurrent.futures.Future)}
-        while pending:
-            finished, pending = concurrent.futures.wait(pending, timeout=self.regen.stall_timeout_s,
-                                                        return_when=concurrent.futures.FIRST_COMPLETED)
-            if not finished:
-                self.stalled.set()
-                servers = ", ".join(redact_url(u) for u in self.urls)
-                raise RegenStallError(
-                    f"no answer from {servers} for {self.regen.stall_timeout_s:g} s (regen.stall_timeout_s) with "
-                    f"{len(pending)} requests in flight: the server accepts connections but does not answer. The "
-                    f"chunks in flight were not marked done; fix or restart the server and rerun to resume")
-        return [f.result() if isinstance(f, concurrent.futures.Future) else f for f in futures]
-
-    def _one(self, messages: list[dict], seed: int, url: str) -> Answer:
-        payload = {"model": self.model_name, "messages": messages, "max_tokens": self.regen.max_new_tokens,
-                   **self._sampling(seed), "chat_template_kwargs": {"enable_thinking": self.regen.enable_thinking}}
-        return self._post(url, "/v1/chat/completions", payload, self._chat_answer)
-
-    def _sampling(self, seed: int) -> dict:
-        regen = self.regen
-        return {"temperature": regen.temperature, "top_p": regen.top_p, "top_k": regen.top_k, "seed": seed}
-
-    def _chat_answer(self, choice: dict) -> Answer:
-        text = choice["message"]["content"] or ""
-        return Answer(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False),
-                      truncated=choice.get("finish_reason") == "length")
-
-    def _post(self, url: str, path: str, payload: dict, parse) -> Answer:
-        """POST with retries; `parse(choices[0]) -> Answer` on a 200, or the reason it failed and whether the next run
-        should ask again."""
-        regen = self.regen
-        error, wait = "no attempt made", 0.0
-        for attempt in range(regen.request_attempts):
-            if self.stalled.is_set():  # the stage is stopping: no attempt that would keep the process alive
-                break
-            if attempt:
-                time.sleep(wait)
-            wait = min(2**attempt, 10) * 0.5
-            try:
-                # a read that outlasts the stall deadline is a stall: the thread ends by then, not hours later
-                response = requests.post(f"{url}{path}", json=payload,
-                                         timeout=min(regen.request_timeout_s, regen.stall_timeout_s))
-            except requests.RequestException as exc:  # refused, reset, timed out: the server's state, not the prompt's
-                error = f"{type(exc).__name__} from {url}: {exc}"
-                continue
-            if response.status_code == 200:
-                try:
-                    return parse(response.json()["choices"][0])
-                except (KeyError, IndexError, TypeError, ValueError) as exc:
-                    error = f"malformed response from {url}: {type(exc).__name__}: {exc}"
-                    continue
-            error = f"HTTP {response.status_code} from {url}: {response.text[:300]}"
-            if response.status_code != 429 and response.status_code < 500:
-                # Asking again at once will not help; a 401/404 (the server's setup) may once the server is fixed.
-                return Answer(error=redact_urls(error), retryable=response.status_code not in _REQUEST_ERRORS)
-            wait = _retry_after_s(response, wait)
-        return Answer(error=redact_urls(f"{error} ({regen.request_attempts} attempts)"), retryable=True)
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-class VLLMBackend(OpenAIBackend):
-    """regen.backend: vllm. Starts a vLLM server for the target itself (one per rank: on a CPU machine the rank's
-    share of the cores, on a GPU machine the rank's GPU), sends every prompt as the token ids the HF backend would
-    feed the model, keeps the token ids the server returns (no text round trip: greedy answers equal the HF
-    backend's, token for token), and stops the server when the stage ends, whatever happened. vLLM batches the
-    requests continuously (a finished answer's slot is refilled at once, prompts are not padded): on 2 CPU cores it
-    regenerates ~3x faster than the HF backend (benchmarks/regenerate.py)."""
-
-    def __init__(self, tokenizer, regen, max_length: int, target: str, dtype: str, dist: Dist, log_dir: Path):
-        target_path = resolve_target(target)
-        super().__init__(tokenizer, regen, model_name=target_path)
-        self.max_length = max_length
-        python = regen.engine_python or default_engine_python("vllm")
-        on_gpu = dist.device.type == "cuda"
-        dtype = str(target_dtype(dtype, dist.device)).removeprefix("torch.")  # the HF backend's
-        port = free_port()
-        eager = () if on_gpu else ("--enforce-eager",)  # torch.compile on CPU: minutes of startup, same numerics
-        # The server's sampling defaults come from the request alone, not from the model's generation_config.json
-        # (its extra stop tokens or default temperature would make answers differ from the HF backend's).
-        argv = vllm_server_command(python, target_path, port, dtype=dtype, max_model_len=max_length,
-                                   extra=("--generation-config", "vllm", *eager, *regen.server_args))
-        self.server = LiveServer(argv, port=port, log_path=Path(log_dir) / f"vllm-rank{dist.rank}.log",
-                                 env=_vllm_placement(dist), startup_timeout=regen.server_startup_s)
-        self.server.__enter__()  # the last step: nothing after it can fail and leave the server running
-        self.startup_s = self.server.startup_s
-        self.urls = [self.server.url]
-
-    def generate(self, conversations: list[list[dict]], seed: int) -> list[Answer]:
-        futures = []
-        for i, messages in enumerate(conversations):
-            ids = fitting_prompt_ids(self.tokenizer, messages, self.regen, self.max_length)
-            if isinstance(ids, Answer):
-                futures.append(ids)
-                continue
-            payload = {"model": self.model_name, "prompt": ids, "return_token_ids": True, "skip_special_tokens": True,
-                       "max_tokens": min(self.regen.max_new_tokens, self.max_length - len(ids)),
-                       **self._sampling(seed + i)}
-            futures.append(self.pool.submit(self._post, self.urls[0], "/v1/completions", payload,
-                                            self._ids_answer))
-        return self._gather(futures)
-
-    def _ids_answer(self, choice: dict) -> Answer:
-        ids = list(choice["token_ids"])
-        return Answer(text=self.tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
-                      truncated=choice.get("finish_reason") == "length")
-
-    def close(self) -> None:
-        super().close()
-        self.server.stop()
-
-
-def _vllm_placement(dist: Dist) -> dict[str, str]:
-    """The environment that puts rank `dist.rank`'s vLLM server on its own GPU (`visible_gpu`: among the GPUs this
-    process was given), or on its own share of the CPU cores (all of them for one rank: vLLM's default keeps one
-    core back, a third of the speed on 2 cores)."""
-    if dist.device.type == "cuda":
-        return {"CUDA_VISIBLE_DEVICES": visible_gpu(dist.device.index or 0)}
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    share = max(len(cores) // ranks_here, 1)
-    mine = cores[dist.local_rank * share: (dist.local_rank + 1) * share] or cores
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, mine)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-
-
-def _retry_after_s(response, default: float) -> float:
-    """The wait a 429/503's Retry-After header asks for in seconds, up to MAX_RETRY_AFTER_S; `default` without one
-    (or with an HTTP date)."""
-    try:
-        seconds = float(response.headers["Retry-After"])
-    except (KeyError, ValueError):
-        return default
-    return default if math.isnan(seconds) else min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
-
-
-class SourceBackend:
-    """The source's own answers as the conversation's answers: no generation at all. A prompt whose source has no
-    answer for a turn ends there (a first turn without one fails the prompt, named in errors.jsonl)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def answer(self, prompt: Prompt, turn: int) -> Answer:
-        if turn >= len(prompt.answers):
-            return Answer(error="the source has no answer for this turn (regen.backend: source needs sources with "
-                                "assistant answers: sharegpt, gsm8k, chat files with assistant messages)",
-                          too_long=turn > 0)
-        text = prompt.answers[turn]
-        return Answer(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
@@ -464,7 +168,7 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
     start, num_tokens = time.perf_counter(), 0
     bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc=f"regenerate[rank {dist.rank}]", unit="conv",
                position=dist.rank, disable=not todo)
-    with _open_backend(recipe, out_dir, dist, get_model, tokenizer, needed=bool(todo)) as backend:
+    with open_backend(recipe, out_dir, dist, get_model, tokenizer, needed=bool(todo)) as backend:
         for k, (records, errors, tokens) in _regenerate_chunks(backend, chunks, todo, recipe):
             if any(e.get("retryable") for e in errors):  # not done: the next run does the whole chunk again
                 atomic_write_json(failed_chunk_path(out_dir, k), {"chunk": k, "errors": errors})
@@ -501,29 +205,6 @@ def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> d
                          f"{len(prompts)} prompts failed (the first, {first['id']}: {first['reason']}); every reason "
                          f"is in {out_dir / 'errors.jsonl'}. Fix the sources or the recipe, and run into a new --out")
     return stage.read_done(out_dir)
-
-
-@contextlib.contextmanager
-def _open_backend(recipe, out_dir: Path, dist: Dist, get_model, tokenizer, needed: bool):
-    """The recipe's backend, closed (a started server stopped) when the stage ends; None when this rank has no chunk
-    to do (no server started, no model loaded)."""
-    regen = recipe.regen
-    if not needed:
-        backend = None
-    elif regen.backend == "openai":
-        backend = OpenAIBackend(tokenizer, regen, regen.served_model or recipe.target.name_or_path)
-    elif regen.backend == "vllm":
-        backend = VLLMBackend(tokenizer, regen, recipe.data.max_length, recipe.target.name_or_path,
-                              recipe.target.dtype, dist, out_dir)
-    elif regen.backend == "source":
-        backend = SourceBackend(tokenizer)
-    else:
-        backend = HFBackend(get_model(), tokenizer, regen, recipe.data.max_length)
-    try:
-        yield backend
-    finally:
-        if hasattr(backend, "close"):
-            backend.close()
 
 
 def _regenerate_chunks(backend, chunks: list, todo: list[int], recipe):

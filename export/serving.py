@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from core.io import atomic_write_json, read_json
-from core.server import SERVING_ALGORITHMS, vllm_server_command
+from core.server import SERVING_ALGORITHMS, sglang_server_command, vllm_server_command
 from modeling.registry import read_config
 
 SGLANG_ALGORITHMS = {name: name.upper() for name in SERVING_ALGORITHMS}  # --speculative-algorithm's spelling
@@ -88,9 +88,9 @@ def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, nu
     float16 beside a bfloat16 target, whose hidden states its fc does not cast. The DSpark STS/SPS files only take
     effect with `sglang_env`'s ragged-verify mode set in the server's environment; `ragged_verify` (that mode is set)
     adds an attention backend that implements it."""
-    argv = [python, "-m", "sglang.launch_server", "--model-path", target, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", dtype, "--random-seed", "0", "--speculative-algorithm", SGLANG_ALGORITHMS[algorithm],
-            "--speculative-draft-model-path", str(draft_dir)]
+    argv = sglang_server_command(python, target, port, dtype=dtype,
+                                 extra=("--speculative-algorithm", SGLANG_ALGORITHMS[algorithm],
+                                        "--speculative-draft-model-path", str(draft_dir)))
     if ragged_verify:
         argv += ["--attention-backend", RAGGED_VERIFY_ATTENTION_BACKEND]
     if algorithm == "eagle3":

@@ -92,6 +92,7 @@ def tiny_overrides(tiny_qwen3, prompt_file, **extra):
         "data.num_prompts": 8,
         "data.min_loss_tokens": 1,
         "data.max_length": 128,
+        "regen.backend": "hf",  # the Qwen3 recipes' sglang needs a GPU: the tiny runs regenerate in-process
         "regen.max_new_tokens": 6,
         "regen.batch_size": 3,
         "cache.records_per_shard": 3,

@@ -31,6 +31,8 @@ CASES = [
     ({"regen.request_attempts": 0}, "regenerate", ["regen.request_attempts must be > 0, got 0"]),
     ({"regen.backend": "vllm", "regen.engine_python": "/nonexistent/python"}, "regenerate",
      ["regen.backend vllm: no python at '/nonexistent/python'", "make venv-vllm"]),
+    ({"regen.backend": "sglang", "regen.engine_python": "/nonexistent/python"}, "regenerate",
+     ["regen.backend sglang: no python at '/nonexistent/python'", "install sglang there", "regen.engine_python"]),
     ({"regen.server_startup_s": 0}, "regenerate", ["regen.server_startup_s must be > 0, got 0"]),
     ({"draft.num_anchors": 0}, "train", ["draft.num_anchors must be > 0, got 0"]),
     ({"loss.ce_alpha": -1}, "train", ["loss.ce_alpha must be >= 0"]),

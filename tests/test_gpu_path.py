@@ -140,20 +140,22 @@ def test_vllm_reads_the_eagle3_aux_layer_count(tmp_path):
     assert result["config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2]
 
 
-def test_regeneration_server_lands_on_the_ranks_visible_gpu(monkeypatch):
-    """Rank with local index 1 on a node where the scheduler gave this job GPUs 4-7: its vLLM server gets GPU 5
-    (torch's cuda:1), not GPU 1 (another job's); without the variable, GPU 1; past the list, a clear error."""
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_regeneration_server_lands_on_the_ranks_visible_gpu(monkeypatch, engine):
+    """Rank with local index 1 on a node where the scheduler gave this job GPUs 4-7: its vLLM or SGLang server gets
+    GPU 5 (torch's cuda:1), not GPU 1 (another job's); without the variable, GPU 1; past the list, a clear error."""
     from core.dist import Dist
     from core.server_procs import visible_gpu
-    from data.regenerate import _vllm_placement
+    from data.regen_backends import OWN_SERVER_BACKENDS
 
+    placement = OWN_SERVER_BACKENDS[engine].placement
     rank = Dist(rank=1, world_size=4, local_rank=1, device=torch.device("cuda", 1))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert _vllm_placement(rank) == {"CUDA_VISIBLE_DEVICES": "5"}
+    assert placement(rank) == {"CUDA_VISIBLE_DEVICES": "5"}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa, GPU-bb")  # UUIDs, with a space
-    assert _vllm_placement(rank) == {"CUDA_VISIBLE_DEVICES": "GPU-bb"}
+    assert placement(rank) == {"CUDA_VISIBLE_DEVICES": "GPU-bb"}
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert _vllm_placement(rank) == {"CUDA_VISIBLE_DEVICES": "1"}
+    assert placement(rank) == {"CUDA_VISIBLE_DEVICES": "1"}
     with pytest.raises(ValueError, match=r"cuda:2 is not among the GPUs CUDA_VISIBLE_DEVICES='3,4'"):
         visible_gpu(2, {"CUDA_VISIBLE_DEVICES": "3,4"})
 

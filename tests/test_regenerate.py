@@ -13,9 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from data import regenerate
+from data import regen_backends, regenerate
 from data.rows import Prompt
-from data.regenerate import Answer, OpenAIBackend, regenerate_chunk, run_regenerate
+from data.regen_backends import Answer, OpenAIBackend
+from data.regenerate import regenerate_chunk, run_regenerate
 from core.dist import Dist
 from core.recipe import load_recipe
 from core.stage import StageMismatchError
@@ -142,7 +143,7 @@ def test_openai_backend_retries_server_errors_and_rate_limits_honouring_retry_af
     sends one (capped at 30 s); any other 4xx is the request's own fault and is not."""
     drill("server", "regeneration server: 5xx, then 429 with Retry-After")
     sleeps = []
-    monkeypatch.setattr("data.regenerate.time.sleep", sleeps.append)
+    monkeypatch.setattr("data.regen_backends.time.sleep", sleeps.append)
     flaky = _ChatServer(plan=(500, 429), retry_after="7")
     capped = _ChatServer(plan=(429,), retry_after="3600")
     refused = _ChatServer(plan=(400, 400, 400))
@@ -189,7 +190,7 @@ def test_source_backend_keeps_the_sources_answers_and_generates_nothing():
     first turn without one, and a prompt without any fails, named."""
     from types import SimpleNamespace
 
-    from data.regenerate import SourceBackend
+    from data.regen_backends import SourceBackend
 
     recipe = load_recipe("dspark_smollm2_135m", ["regen.backend=source", "loss.ce_labels=target", "data.max_turns=2"])
     tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [len(w) for w in text.split()])
@@ -266,7 +267,7 @@ class _WithEos:
 
 
 def test_hf_backend_marks_an_answer_that_reached_max_new_tokens_as_truncated(tiny_qwen3, qwen3_tokenizer):
-    from data.regenerate import HFBackend
+    from data.regen_backends import HFBackend
     from modeling.target import load_target
 
     recipe = load_recipe("dspark_qwen3_8b", ["regen.temperature=0", "regen.max_new_tokens=4"])
@@ -285,7 +286,7 @@ def test_hf_backend_limits_each_answer_by_its_own_prompt_not_the_batchs_longest(
     """data.max_length bounds prompt + answer per conversation: a short prompt batched with one near the limit still
     gets regen.max_new_tokens (it used to get max_length minus the longest prompt, for every row)."""
     from data.chat import render_prompt_ids
-    from data.regenerate import HFBackend
+    from data.regen_backends import HFBackend
     from modeling.target import load_target
 
     recipe = load_recipe("dspark_qwen3_8b", ["regen.temperature=0", "regen.max_new_tokens=12"])
@@ -351,7 +352,7 @@ def test_stage_through_failing_then_rate_limiting_server_gives_the_healthy_serve
         healthy_records, prompt_file, qwen3_tokenizer, tmp_path, monkeypatch, drill):
     drill("server", "regeneration server failing, then rate-limiting, then recovering")
     sleeps = []
-    monkeypatch.setattr("data.regenerate.time.sleep", sleeps.append)
+    monkeypatch.setattr("data.regen_backends.time.sleep", sleeps.append)
     flaky = _ChatServer(plan=(500, 429), retry_after="2")  # every request: 500, then 429, then its answer
     try:
         done = _run(_openai_recipe([flaky.url], prompt_file), tmp_path / "flaky", qwen3_tokenizer)
@@ -366,7 +367,7 @@ def test_stage_through_failing_then_rate_limiting_server_gives_the_healthy_serve
 def test_server_failures_are_never_marked_done_and_a_rerun_with_a_working_url_completes(
         healthy_records, prompt_file, qwen3_tokenizer, tmp_path, monkeypatch, drill):
     drill("server", "regeneration server dead, then fixed URL")
-    monkeypatch.setattr("data.regenerate.time.sleep", lambda s: None)
+    monkeypatch.setattr("data.regen_backends.time.sleep", lambda s: None)
     out = tmp_path / "regen"
     with pytest.raises(RuntimeError, match=r"8 conversations failed on the server, in 3 of 3 chunks .*"
                                            r"ConnectionError from http://127\.0\.0\.1:9.*"
@@ -523,13 +524,13 @@ def test_hf_backend_prefills_each_prompt_alone_on_cpu_with_generates_own_answers
 
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     recipe = load_recipe("dspark_smollm2_135m", ["regen.max_new_tokens=12"])
-    backend = regenerate.HFBackend(load_target("smollm2-135m-instruct"), tokenizer, recipe.regen, 512)
+    backend = regen_backends.HFBackend(load_target("smollm2-135m-instruct"), tokenizer, recipe.regen, 512)
     questions = ["Hi!", "Name a color.", "Explain in detail, step by step, how a bicycle's gears let a rider climb a "
                  "steep hill without getting tired, and why the chain needs oil. " * 3]
     conversations = [build_messages([q], [], None) for q in questions]
     cached = backend.generate(conversations, seed=0)
     assert backend._prompt_cache([[1, 2, 3], [4, 5]], 3) is not None  # the path under test is taken
-    monkeypatch.setattr(regenerate.HFBackend, "_prompt_cache", lambda self, prompts, width: None)
+    monkeypatch.setattr(regen_backends.HFBackend, "_prompt_cache", lambda self, prompts, width: None)
     padded = backend.generate(conversations, seed=0)
     assert [a.token_ids for a in cached] == [a.token_ids for a in padded]
     assert all(len(a.token_ids) >= 2 for a in cached)
