@@ -342,7 +342,7 @@ def test_gpu_check_lists_its_checks_and_refuses_a_machine_without_cuda():
                             text=True, timeout=120)
     assert listed.returncode == 0
     assert [line.split()[0] for line in listed.stdout.splitlines()] == [
-        "nccl", "train-dspark", "train-dflash", "train-eagle3", "kill-resume", "export", "sglang-live"]
+        "nccl", "train-dspark", "train-dflash", "train-eagle3", "kill-resume", "export", "sglang-live", "regen-sglang"]
     refused = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--only", "nccl"], cwd=ROOT,
                              capture_output=True, text=True, timeout=300, env={"CUDA_VISIBLE_DEVICES": "",
                                                                               "PATH": "/usr/bin:/bin"})
