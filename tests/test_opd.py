@@ -74,13 +74,16 @@ def test_on_policy_batches_train_only_at_round_starts(family):
     assert uniform.manifest["index_sha256"] not in (data.manifest["index_sha256"], "test")
 
 
-@pytest.fixture(scope="module")
-def greedy_run(tiny_qwen3, prompt_file, tmp_path_factory):
-    out = tmp_path_factory.mktemp("greedy")
-    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="regenerate,cache",
-                              **{"regen.temperature": 0.0}))
+def regenerated(tiny_qwen3, prompt_file, out, **sets) -> dict:
+    """A dspark_qwen3_8b run folder with its regenerate and cache stages done (the tiny target), for copy_run."""
+    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="regenerate,cache", **sets))
     assert done.returncode == 0, done.stderr[-3000:]
     return {"dspark": out}
+
+
+@pytest.fixture(scope="module")
+def greedy_run(tiny_qwen3, prompt_file, tmp_path_factory):
+    return regenerated(tiny_qwen3, prompt_file, tmp_path_factory.mktemp("greedy"), **{"regen.temperature": 0.0})
 
 
 def test_opd_rounds_follow_train_and_feed_export(greedy_run, tiny_qwen3, prompt_file, tmp_path):
@@ -183,11 +186,8 @@ def test_replay_is_the_exact_match_loop_along_sampled_answers():
 
 @pytest.fixture(scope="module")
 def sampled_run(tiny_qwen3, prompt_file, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sampled")
-    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="regenerate,cache",
-                              **{"regen.temperature": 0.7, "regen.max_new_tokens": 16}))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return {"dspark": out}
+    return regenerated(tiny_qwen3, prompt_file, tmp_path_factory.mktemp("sampled"),
+                       **{"regen.temperature": 0.7, "regen.max_new_tokens": 16})
 
 
 def test_opd_runs_on_sampled_answers(sampled_run, tiny_qwen3, prompt_file, tmp_path):
@@ -217,6 +217,7 @@ def test_opd_runs_on_sampled_answers(sampled_run, tiny_qwen3, prompt_file, tmp_p
 def test_qwen3_recipes_take_opd_rounds(tiny_qwen3, prompt_file, tmp_path):
     """The Qwen3 recipes regenerate at T=0.7: opd.rounds > 0 validates, and the preflight no longer refuses it."""
     recipe = load_recipe("dspark_qwen3_8b", ["opd.rounds=1", f"target.name_or_path={tiny_qwen3}",
-                                             f"data.sources=[{{name: '{prompt_file}'}}]"])
+                                             f"data.sources=[{{name: '{prompt_file}'}}]",
+                                             "regen.backend=hf"])  # (the recipe's sglang needs a GPU)
     assert recipe.regen.temperature == 0.7 and recipe.opd.rounds == 1
     assert check_inputs(recipe, ["regenerate", "cache", "train", "opd"], tmp_path / "run", 1) == []
