@@ -221,10 +221,16 @@ def _regenerate_chunks(backend, chunks: list, todo: list[int], recipe):
             yield k, regenerate_chunk(backend, chunks[k], recipe, chunk_seed=seed(k))
         return
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=in_flight)
-    futures = {pool.submit(regenerate_chunk, backend, chunks[k], recipe, seed(k)): k for k in todo}
     try:
-        for future in concurrent.futures.as_completed(futures):
-            yield futures[future], future.result()
+        futures = {pool.submit(regenerate_chunk, backend, chunks[k], recipe, seed(k)): k for k in todo}
+        pending = set(futures)
+        while pending:
+            # Waits of a second: a stop signal the kernel hands to another thread runs its handler (KeyboardInterrupt)
+            # in this thread only once this thread wakes; one wait for the next chunk could be minutes.
+            finished, pending = concurrent.futures.wait(pending, timeout=1.0,
+                                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                yield futures[future], future.result()
     finally:
         # Stopped early (an error, Ctrl-C, SIGTERM, a fault point): the chunks not started yet are not started, and
         # the running ones are not waited for (several chunks of answers: minutes). Their results are never written;
