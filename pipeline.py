@@ -78,6 +78,8 @@ def main(argv=None) -> int:
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var) is None and recipe.target.name_or_path == "smollm2-135m-instruct":
             os.environ[var] = "1"  # the embedded target never needs the hub
+    if recipe.regen.backend == "auto":
+        recipe.regen.backend = regen_backend_for(recipe, stages, out)
     problems = check_inputs(recipe, stages, out, int(os.environ.get("WORLD_SIZE", "1")))
     if problems:
         print(f"error: recipe '{recipe.name}' cannot run:\n  " + "\n  ".join(problems), file=sys.stderr)
@@ -163,6 +165,22 @@ def missing_inputs(recipe, stages: list[str], out: Path) -> list[str]:
                 problems.append(f"--stages {name} reads {folder}, which no finished {maker} stage wrote: run "
                                 f"{maker} first (e.g. --stages {maker},{name}), or point --out at the run that has it")
     return problems
+
+
+def regen_backend_for(recipe, stages: list[str], out: Path) -> str:
+    """regen.backend auto, made concrete before anything pins it: the backend the folder's regeneration was started
+    with (done or resumed: the same answers), else `choose_backend`'s (said once)."""
+    started_with = stage.pinned(out / "regen").get("regen", {}).get("backend")
+    if started_with:
+        return started_with
+    if "regenerate" not in stages:
+        return "hf"  # nothing regenerates in this run; a later run with the stage chooses again
+    from data.regen_backends import choose_backend
+
+    backend, why = choose_backend(recipe.regen)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[draftsmith] regen.backend auto: {why}", flush=True)
+    return backend
 
 
 def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[str]:

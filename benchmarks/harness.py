@@ -113,8 +113,8 @@ def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_sou
     prompts (vllm: one server on every core, so one process); the held-out prompts are always answered in-process."""
     sources = training_sources(gsm8k, extra_sources)
     data_run = out / "train-data"
-    backend = sets(regen__backend=regen_backend) if train_data == "regenerate" and regen_backend != "hf" else []
-    run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", 1 if backend else nproc,
+    backend = sets(regen__backend=regen_backend) if train_data == "regenerate" else []
+    run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", 1 if regen_backend == "vllm" else nproc,
                  sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data) + backend, log)
     # the two stages' seconds from their DONE.json (their last run's): right also when a finished folder is skipped
     data_s = sum(json.loads((data_run / stage / "DONE.json").read_text())["seconds"] for stage in ("regen", "cache"))
@@ -151,7 +151,7 @@ def answer_and_cache(prompt_file: Path, run: Path, max_new_tokens: int, nproc: i
     count = len(prompt_file.read_text().splitlines())
     run_pipeline("dspark_smollm2_135m", run, "regenerate,cache", nproc,
                  sets(data__sources=f"[{{name: '{prompt_file}'}}]", data__num_prompts=count, data__holdout_fraction=0.0,
-                      data__max_turns=1, data__min_loss_tokens=1, regen__temperature=0,
+                      data__max_turns=1, data__min_loss_tokens=1, regen__backend="hf", regen__temperature=0,
                       regen__max_new_tokens=max_new_tokens, cache__encoding=EVAL_CACHE_ENCODING), log)
 
 

@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
     recipe = f"{args.family}_smollm2_135m"
-    common = sets(data__num_prompts=args.prompts, train__max_steps=args.steps, train__save_every=args.steps,
-                  train__log_every=1)
+    common = sets(data__num_prompts=args.prompts, regen__backend="hf", train__max_steps=args.steps,
+                  train__save_every=args.steps, train__log_every=1)
 
     run_pipeline(recipe, out / "data", "regenerate", args.nproc, common, log)
     runs = {}

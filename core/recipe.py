@@ -79,8 +79,10 @@ class RegenConfig:
     #: hf = in-process batched generation; vllm, sglang = a vLLM or SGLang server this stage starts and stops itself
     #: (one per rank, on its GPU; the token ids the HF backend would use; vLLM also on CPU, ~3x faster there; SGLang
     #: on GPUs only); openai = any OpenAI-compatible server already running (SGLang, vLLM); source = keep the
-    #: source's own answers, generating nothing (train with loss.ce_labels: target: the target's labels on that text).
-    backend: Literal["hf", "vllm", "sglang", "openai", "source"] = "hf"
+    #: source's own answers, generating nothing (train with loss.ce_labels: target: the target's labels on that text);
+    #: auto = vllm on a machine without CUDA where a python with vLLM is found (regen.engine_python,
+    #: $DRAFTSMITH_VLLM_PYTHON or ./.venv-vllm), else hf; the run says which (data/regen_backends.choose_backend).
+    backend: Literal["auto", "hf", "vllm", "sglang", "openai", "source"] = "hf"
     #: several URLs = data parallel over servers (openai backend).
     server_urls: list[str] = field(default_factory=list)
     #: model name sent to the server (default: the target's name_or_path).

@@ -164,15 +164,20 @@ def test_codemix_recipe_is_the_default_with_chat_math_and_code_one_to_one_to_one
     assert same == dataclasses.asdict(default)  # every other setting inherited from the default
 
 
-@pytest.mark.parametrize("num_prompts", [None, 3000], ids=["the recipe's num_prompts", "3000 prompts"])
-def test_no_held_out_prompt_is_trained_on_in_the_codemix_recipe(num_prompts, gsm8k_files, held_out, record_property):
-    recipe, sources = _codemix(gsm8k_files[0])
+@pytest.mark.parametrize("name, num_prompts", [(CODEMIX, None), (CODEMIX, 3000), ("dspark_smollm2_135m", None)],
+                         ids=["codemix, the recipe's num_prompts", "codemix, 3000 prompts", "the default recipe"])
+def test_no_held_out_prompt_is_trained_on(name, num_prompts, gsm8k_files, held_out, record_property):
+    if name == CODEMIX:
+        recipe, sources = _codemix(gsm8k_files[0])
+    else:
+        recipe = load_recipe(name)
+        sources = recipe.data.sources
     data = recipe.data
     train = load_prompts(sources, num_prompts or data.num_prompts, data.holdout_fraction, recipe.seed,
                          allow_fewer=data.allow_fewer)  # as the regenerate stage loads them
-    shares = {name: sum(p.source == name for p in train) for name in ("sharegpt", "gsm8k", "libcode")}
+    shares = {s.name: sum(p.source == s.name for p in train) for s in sources}
     assert len(train) == (num_prompts or data.num_prompts) and max(shares.values()) - min(shares.values()) <= 1
-    record_property("figure", f"codemix: {len(train)} training prompts {shares} against {len(held_out)} held-out "
+    record_property("figure", f"{name}: {len(train)} training prompts {shares} against {len(held_out)} held-out "
                               f"({'grade-school-math' if gsm8k_files[0].parent == GSM8K else 'fixture'} GSM8K)")
     assert _leaks(train, held_out) == []
 

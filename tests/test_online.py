@@ -86,7 +86,7 @@ def test_online_states_are_what_an_offline_run_reads_back(tiny_qwen3, tmp_path, 
 
 def test_each_family_trains_online_on_smollm2_with_no_cache(tmp_path, capsys):
     sets = {"data.sources": "[{name: mtbench}]", "data.num_prompts": 2, "data.min_loss_tokens": 1,
-            "data.max_length": 160, "regen.max_new_tokens": 16, "regen.batch_size": 2, "train.hidden_states": "online",
+            "data.max_length": 160, "regen.backend": "hf", "regen.max_new_tokens": 16, "regen.batch_size": 2, "train.hidden_states": "online",
             "draft.num_layers": 1, "draft.num_anchors": 8, "draft.block_size": 3, "draft.ttt_length": 3,
             "train.global_batch_size": 2, "train.micro_batch_size": 1, "train.max_steps": 2, "train.save_every": 2,
             "train.log_every": 1, "train.warmup_ratio": 0.0,

@@ -134,10 +134,39 @@ def test_a_raw_cache_made_before_the_fp8_default_is_named_and_read_as_it_is(tiny
     assert (out / "cache" / "DONE.json").read_bytes() == done_before  # skipped, not rebuilt
 
 
+def test_auto_backend_regenerates_through_vllm_where_it_is_built_and_a_folder_keeps_its_choice(vllm_python, tmp_path,
+                                                                                                 capsys, monkeypatch):
+    """The SmolLM2 recipes' regen.backend auto: vLLM's server where a python with vLLM is found, else in-process with
+    the fix named; a CUDA device keeps it in-process (the project's vLLM is the CPU build). A run says its choice and
+    pins the concrete backend; a later run on the folder keeps it whatever it would choose now."""
+    from data.regen_backends import choose_backend
+
+    assert load_recipe("dspark_smollm2_135m").regen.backend == "auto"
+    assert load_recipe("dspark_smollm2_135m_overfit").regen.backend == "hf"
+    built = load_recipe("dspark_smollm2_135m", [f"regen.engine_python={vllm_python}"]).regen
+    absent = load_recipe("dspark_smollm2_135m", [f"regen.engine_python={tmp_path / 'no-vllm' / 'python'}"]).regen
+    assert choose_backend(built)[0] == "vllm"
+    backend, why = choose_backend(absent)
+    assert backend == "hf" and "no-vllm" in why and "make venv-vllm" in why
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        assert choose_backend(built)[0] == "hf"
+
+    out = tmp_path / "auto"
+    sets = ["--set", "data.sources=[{name: mtbench}]", "--set", "data.num_prompts=2", "--set", "data.max_turns=1",
+            "--set", "regen.max_new_tokens=4", "--set", "data.min_loss_tokens=1"]
+    run = ["--recipe", "dspark_smollm2_135m", "--stages", "regenerate", "--out", str(out)] + sets
+    assert main(run + ["--set", f"regen.engine_python={tmp_path / 'no-vllm' / 'python'}"]) == 0
+    assert "regen.backend auto: hf, in-process" in capsys.readouterr().out
+    assert json.loads((out / "regen" / "settings.json").read_text())["regen"]["backend"] == "hf"
+    assert main(run + ["--set", f"regen.engine_python={vllm_python}"]) == 0  # would choose vllm: keeps hf, skips
+    assert "regen.backend auto" not in capsys.readouterr().out
+
+
 def test_smollm2_target_regenerates_and_caches(tmp_path, capsys):
     out = tmp_path / "smol"
     assert main(["--recipe", "dspark_smollm2_135m", "--stages", "regenerate,cache", "--out", str(out),
-                 "--set", "data.num_prompts=4",
+                 "--set", "data.num_prompts=4", "--set", "regen.backend=hf",
                  "--set", "regen.max_new_tokens=12", "--set", "regen.batch_size=4", "--set", "data.min_loss_tokens=1",
                  "--set", "data.sources=[{name: mtbench}]", "--set", "regen.temperature=0"]) == 0
     printed = capsys.readouterr().out

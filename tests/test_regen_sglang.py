@@ -95,7 +95,7 @@ def sglang_run(tiny_qwen3, prompt_file, tmp_path_factory):
 def test_the_qwen3_recipes_regenerate_through_sglang(sglang_run):
     assert load_recipe("dspark_qwen3_8b").regen.backend == "sglang"
     assert load_recipe("eagle3_qwen3_14b").regen.backend == "sglang"
-    assert load_recipe("dspark_smollm2_135m").regen.backend == "hf"
+    assert load_recipe("dspark_smollm2_135m").regen.backend == "auto"
     assert sglang_run["recipe"].regen.backend == "sglang"
 
 

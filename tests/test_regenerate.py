@@ -506,7 +506,7 @@ def test_vllm_backend_serves_the_target_itself_and_regenerates_the_hf_backends_a
             "regen.max_new_tokens=40", "regen.batch_size=3", "regen.max_concurrency=6",
             f"regen.engine_python={vllm_python}"]
     tokenizer = load_tokenizer("smollm2-135m-instruct")
-    run_regenerate(load_recipe("dspark_smollm2_135m", sets), tmp_path / "hf", Dist(),
+    run_regenerate(load_recipe("dspark_smollm2_135m", sets + ["regen.backend=hf"]), tmp_path / "hf", Dist(),
                    lambda: load_target("smollm2-135m-instruct"), tokenizer)
     before = set(tagged_processes())
     done = _run(load_recipe("dspark_smollm2_135m", sets + ["regen.backend=vllm"]), tmp_path / "vllm", tokenizer)
