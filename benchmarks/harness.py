@@ -201,11 +201,14 @@ def eval_records(eval_run: Path) -> list[dict]:
 
 
 def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id) -> list[dict]:
-    """Replayed held-out tau of every checkpoint, against the training minutes spent to reach it, with the tallies
+    """Replayed held-out tau of every checkpoint (its weight average where train.ema_decay kept one: the weights
+    train/final holds), against the training minutes spent to reach it, with the tallies
     behind it and behind the per-round oracle chooser between the checkpoint and prompt lookup (`oracle`) and the
     lookup-first rule (`lookup_first`, eval/replay.py): the paired intervals and per-source tables of eval/compare.py read them."""
     from eval.replay import replay_records
     from modeling.registry import load_draft_model
+    from train.checkpoint import AVERAGE_NAME, read_average
+    from train.ema import averaged_weights
 
     rows = [json.loads(line) for line in (family_run / "train" / "metrics.jsonl").read_text().splitlines()]
     elapsed, minutes = 0.0, {}
@@ -217,6 +220,8 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
     for ckpt in sorted((family_run / "train" / "checkpoints").glob("step-*")):
         step = int(ckpt.name.split("-")[1])
         model = load_draft_model(ckpt / "draft").float()
+        if (ckpt / AVERAGE_NAME).is_file():  # train.ema_decay: the average is what train/final, eval and export read
+            model.load_state_dict(averaged_weights(model.state_dict(), read_average(ckpt), ckpt / AVERAGE_NAME))
         replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
         copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
                                           "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds",
