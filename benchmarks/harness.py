@@ -207,8 +207,7 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
     lookup-first rule (`lookup_first`, eval/replay.py): the paired intervals and per-source tables of eval/compare.py read them."""
     from eval.replay import replay_records
     from modeling.registry import load_draft_model
-    from train.checkpoint import AVERAGE_NAME, read_average
-    from train.ema import averaged_weights
+    from train.checkpoint import AVERAGE_NAME, published_weights
 
     rows = [json.loads(line) for line in (family_run / "train" / "metrics.jsonl").read_text().splitlines()]
     elapsed, minutes = 0.0, {}
@@ -219,9 +218,10 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
     points = []
     for ckpt in sorted((family_run / "train" / "checkpoints").glob("step-*")):
         step = int(ckpt.name.split("-")[1])
-        model = load_draft_model(ckpt / "draft").float()
-        if (ckpt / AVERAGE_NAME).is_file():  # train.ema_decay: the average is what train/final, eval and export read
-            model.load_state_dict(averaged_weights(model.state_dict(), read_average(ckpt), ckpt / AVERAGE_NAME))
+        model = load_draft_model(ckpt / "draft")
+        if (ckpt / AVERAGE_NAME).is_file():  # train.ema_decay: the weights train/final, eval and export read
+            model.load_state_dict(published_weights(ckpt))
+        model = model.float()
         replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
         copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
                                           "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds",

@@ -15,6 +15,7 @@ import torch
 from core.dist import Dist, fault_point
 from core.io import atomic_write_text, require_free_space, sync_tree, verify_checksums, write_checksums, write_failure
 from modeling.registry import read_draft_weights
+from train.ema import averaged_weights
 
 
 CHECKPOINT_NAME = re.compile(r"step-\d{7}")
@@ -150,6 +151,15 @@ def _safe_deepspeed_loads(ds_engine) -> None:
 def read_average(path: Path) -> dict:
     """Checkpoint `path`'s weight average (train.ema_decay > 0), as save_checkpoint wrote it."""
     return load_tensors(path / AVERAGE_NAME)
+
+
+def published_weights(path: Path) -> dict:
+    """Checkpoint `path`'s draft weights as train/final publishes them (what eval and export read): its trainable
+    weights replaced by the weight average where train.ema_decay saved one."""
+    weights = read_draft_weights(path / "draft")
+    if not (path / AVERAGE_NAME).is_file():
+        return weights
+    return averaged_weights(weights, read_average(path), path / AVERAGE_NAME)
 
 
 def load_checkpoint(engine, module, optimizer, path: Path) -> dict:

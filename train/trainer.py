@@ -37,10 +37,10 @@ from core.io import atomic_write_text, publish_dir, write_checksums
 from data.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
 from modeling.draft_folder import WEIGHTS_NAME
-from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config, read_draft_weights
-from train.checkpoint import (AVERAGE_NAME, latest_checkpoint, load_checkpoint, prune_checkpoints, read_average,
-                              save_checkpoint)
-from train.ema import WeightAverage, averaged_weights
+from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
+from train.checkpoint import (AVERAGE_NAME, latest_checkpoint, load_checkpoint, prune_checkpoints, published_weights,
+                              read_average, save_checkpoint)
+from train.ema import WeightAverage
 from train.algorithms import (add_feature_noise, attach_hidden, get_algorithm, input_scale, seeded_dropout,
                               set_dropout)
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
@@ -463,9 +463,7 @@ def finish(job: TrainJob, ckpt_root: Path, first: dict | None, last: dict) -> di
         with publish_dir(job.out_dir / "final") as tmp:  # what eval and export read
             shutil.copytree(final / "draft", tmp, dirs_exist_ok=True)
             if train.ema_decay > 0:
-                weights = averaged_weights(read_draft_weights(final / "draft"), read_average(final),
-                                           final / AVERAGE_NAME)
-                save_file(weights, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+                save_file(published_weights(final), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             write_checksums(tmp)  # eval and export refuse a damaged file by name (read_draft_weights)
         stage.mark_done(job.out_dir, stats)
         tau = "tau" in (first or {}) and "tau" in last
