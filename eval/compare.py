@@ -8,11 +8,19 @@ subset of the records is a sum over a sum, and a resample of the records gives b
 prompts. A curve point of quality.py is a tally with its `replayed_tau`.
 
     rows = source_rows(draft, ngram, [record_source(i) for i in ids], oracle=chooser)  # -> source_table(rows)
+
+Two eval reports of the same prompts (eval.py --out A, --out B; e.g. two recipes' drafts), the first over the second:
+
+    python -m eval.compare runs/eval-a runs/eval-b
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
+import sys
+from pathlib import Path
 
 from data.sources import BUILTIN_SOURCES
 
@@ -76,16 +84,18 @@ def record_groups(sources: list[str], lookup: dict) -> dict[str, list[int]]:
     return groups
 
 
-def source_rows(draft: dict, ngram: dict, sources: list[str], oracle: dict | None = None) -> list[dict]:
+def source_rows(draft: dict, ngram: dict, sources: list[str], oracle: dict | None = None,
+                lookup: dict | None = None) -> list[dict]:
     """One row per record_groups group with records: the draft's and n-gram's tau there, the ratio with its paired
     interval, how many records the draft wins (higher tau than n-gram's on the record), and the tau of a per-round
-    oracle chooser between the two (eval/replay.py) where its tally is given."""
+    oracle chooser between the two (eval/replay.py) where its tally is given. `ngram` may be another drafter's tally;
+    the copy-heavy split then reads prompt lookup's own (`lookup`)."""
     if not len(sources) == len(draft["per_record_rounds"]) == len(ngram["per_record_rounds"]):
         raise ValueError(f"{len(sources)} sources for {len(draft['per_record_rounds'])} and "
                          f"{len(ngram['per_record_rounds'])} records: the tallies are not of the same records")
     rows = []
     mine, theirs = record_taus(draft), record_taus(ngram)
-    for group, picks in record_groups(sources, ngram).items():
+    for group, picks in record_groups(sources, ngram if lookup is None else lookup).items():
         if not picks:
             continue
         ratio, low, high = paired_ratio(draft, ngram, picks)
@@ -96,13 +106,47 @@ def source_rows(draft: dict, ngram: dict, sources: list[str], oracle: dict | Non
     return rows
 
 
-def source_table(rows: list[dict]) -> list[str]:
-    """source_rows as a markdown table (the oracle chooser's column where the rows have it)."""
+def source_table(rows: list[dict], other: str = "n-gram") -> list[str]:
+    """source_rows as a markdown table (the oracle chooser's column where the rows have it); `other` names the
+    drafter the ratios are against."""
     oracle = all("oracle_tau" in r for r in rows)
-    lines = ["| prompts | n | tau | n-gram tau | tau / n-gram (90% paired bootstrap) | wins |"
+    lines = [f"| prompts | n | tau | {other} tau | tau / {other} (90% paired bootstrap) | wins |"
              + (" oracle chooser tau |" if oracle else ""), "|---|---|---|---|---|---|" + ("---|" if oracle else "")]
     for r in rows:
         lines.append(f"| {r['group']} | {r['records']} | {r['tau']:.3f} | {r['ngram_tau']:.3f} | "
                      f"{format_ratio(r['ratio'], r['low'], r['high'])} | {r['wins']} |"
                      + (f" {r['oracle_tau']:.3f} |" if oracle else ""))
     return lines
+
+
+def _samples(folder: Path) -> list[dict]:
+    path = folder / "report.json" if folder.is_dir() else folder
+    if not path.is_file():
+        raise SystemExit(f"error: no eval report at {path} (eval.py --out FOLDER writes FOLDER/report.json)")
+    return json.loads(path.read_text())["samples"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m eval.compare", description="Two eval reports of the same prompts side by side: tau of the "
+        "first over the second with a paired 90%% bootstrap interval, per source, copy-heavy / rest and overall.")
+    parser.add_argument("first", type=Path, help="eval.py's --out folder (or its report.json), run with "
+                        "--ngram-baseline: its n-gram run names the copy-heavy prompts")
+    parser.add_argument("second", type=Path, help="the other eval's folder or report.json, on the same prompts")
+    args = parser.parse_args(argv)
+    first, second = _samples(args.first), _samples(args.second)
+    if [s["id"] for s in first] != [s["id"] for s in second]:
+        raise SystemExit(f"error: {args.first} and {args.second} ran other prompts (or another order): nothing to "
+                         "pair; run both with the same --dataset and --num-samples")
+    lookup = (args.first if args.first.is_dir() else args.first.parent) / "ngram"
+    if not (lookup / "report.json").is_file():
+        raise SystemExit(f"error: no n-gram run at {lookup}: rerun the first eval with --ngram-baseline (it names "
+                         "the copy-heavy prompts)")
+    rows = source_rows(tally(first), tally(second), [s["source"] for s in first], lookup=tally(_samples(lookup)))
+    print(f"{args.first} against {args.second}:\n")
+    print("\n".join(source_table(rows, other=args.second.name)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -130,3 +130,34 @@ def test_replay_records_reports_the_oracle_chooser(monkeypatch):
         assert oracle["per_record_rounds"] == expected["per_record_rounds"]
         assert oracle["replayed_tau"] == pytest.approx(expected["accept_len"])
         assert oracle["replayed_tau"] >= max(report["accept_len"], lookup["accept_len"])
+
+
+def _report(folder, tallied: dict, ids=None):
+    """An eval.py report folder holding `tallied`'s records as samples (ids and sources as SOURCES)."""
+    import json
+
+    folder.mkdir(parents=True)
+    ids = ids or [f"heldout:{s}:{i}" for i, s in enumerate(SOURCES)]
+    samples = [{"id": pid, "source": s, "round_tokens": t, "rounds": r} for pid, s, t, r in
+               zip(ids, SOURCES, tallied["per_record_tokens"], tallied["per_record_rounds"])]
+    (folder / "report.json").write_text(json.dumps({"samples": samples}))
+    return folder
+
+
+def test_two_eval_reports_compare_per_source_with_the_first_ones_lookup_naming_the_copy_heavy(tmp_path, capsys):
+    """`python -m eval.compare A B`: A's draft over B's on the same prompts; the copy-heavy rows are those where A's
+    own n-gram run (A/ngram) is above 2.5, not where B's draft is."""
+    from eval.compare import main
+
+    first = _report(tmp_path / "a", DRAFT)
+    _report(first / "ngram", NGRAM)
+    second = _report(tmp_path / "b", {"per_record_tokens": [20, 20, 15, 40, 12], "per_record_rounds": [10] * 5})
+    assert main([str(first), str(second)]) == 0
+    table = capsys.readouterr().out
+    assert "| tau | b tau | tau / b (90% paired bootstrap) |" in table
+    assert "| copy-heavy (n-gram tau > 2.5) | 2 | 2.000 | 3.000 | 0.667" in table  # records 1 and 3: 60/30 vs 60/20
+    assert "| mtbench | 2 | 1.500 | 1.750 | 0.857" in table
+    with pytest.raises(SystemExit, match="ran other prompts"):
+        main([str(first), str(_report(tmp_path / "c", DRAFT, ids=[f"x:{i}" for i in range(5)]))])
+    with pytest.raises(SystemExit, match="--ngram-baseline"):
+        main([str(second), str(first)])
