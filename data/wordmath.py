@@ -32,12 +32,12 @@ Oscar Paula Rahul Sofia Tomas Uma Victor Wendy Yara Zane""".split()
 _FOODS = [("apple", "apples"), ("orange", "oranges"), ("muffin", "muffins"), ("cookie", "cookies"),
           ("sandwich", "sandwiches"), ("pear", "pears"), ("cupcake", "cupcakes"), ("banana", "bananas"),
           ("pie", "pies"), ("bagel", "bagels")]
-_BAKED = [many for _, many in _FOODS if many in ("muffins", "cookies", "cupcakes", "pies", "bagels")]
+_BAKED = ["muffins", "cookies", "cupcakes", "pies", "bagels"]
 _THINGS = [("notebook", "notebooks"), ("pencil", "pencils"), ("marble", "marbles"), ("sticker", "stickers"),
            ("toy car", "toy cars"), ("book", "books"), ("candle", "candles"), ("shirt", "shirts"),
            ("comic", "comics"), ("puzzle", "puzzles"), ("stamp", "stamps"), ("seashell", "seashells")]
-_ANIMALS = [("chicken", "chickens", 2), ("duck", "ducks", 2), ("cow", "cows", 4), ("sheep", "sheep", 4),
-            ("goat", "goats", 4), ("horse", "horses", 4), ("pig", "pigs", 4), ("goose", "geese", 2)]
+_ANIMALS = [("chicken", "chickens"), ("duck", "ducks"), ("cow", "cows"), ("sheep", "sheep"), ("goat", "goats"),
+            ("horse", "horses"), ("pig", "pigs"), ("goose", "geese")]  # legs: the target knows them
 _PLANTS = ["tomato plants", "rose bushes", "carrots", "sunflowers", "pepper plants", "tulips", "lettuce heads"]
 _VEHICLES = [("car", "kilometres"), ("train", "kilometres"), ("bike", "miles"), ("bus", "miles"), ("boat", "miles")]
 _BIG_BUYS = ["bicycle", "video game", "pair of shoes", "guitar", "tablet", "skateboard", "telescope", "tent"]
@@ -94,7 +94,7 @@ def _trip(r: random.Random) -> str:
 
 
 def _farm(r: random.Random) -> str:
-    (o1, m1, l1), (o2, m2, l2) = r.sample(_ANIMALS, 2)
+    (o1, m1), (o2, m2) = r.sample(_ANIMALS, 2)
     a, b = r.randint(3, 40), r.randint(3, 40)
     name = _names(r, 1)[0]
     return (f"{name}'s farm has {a} {m1 if a > 1 else o1} and {b} {m2 if b > 1 else o2}. "
