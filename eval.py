@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from core.io import LockedError, lock_for_process  # noqa: E402
+from core import stage  # noqa: E402
+from core.io import LinkedPathError, LockedError, link_problem, lock_for_process, own_root  # noqa: E402
 from core.malloc import keep_freed_memory  # noqa: E402
 from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
 from data.sources import source_problem  # noqa: E402
@@ -58,6 +59,20 @@ def default_out(draft: str, dataset: str) -> Path:
         return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "x"
 
     return Path("runs") / "eval" / f"{slug(draft)}_{slug(Path(dataset).name)}"
+
+
+def out_problem(out: Path) -> str | None:
+    """eval.py writes report.json (and sts.json) into --out: a pipeline run's stage folder would have them taken for
+    the run's own (its next call printed the other eval's tau as the run's and exported its calibration)."""
+    if out.is_symlink() and not out.is_dir():
+        return f"--out {link_problem(out)}"
+    if out.exists() and not out.is_dir():
+        return f"--out {out} is a file: give a folder (it is made when missing)"
+    if stage.is_ours(out) or (out.name in stage.STAGE_DIRS and (out.parent / "recipe.yaml").is_file()):
+        return (f"--out {out} is the {out.name} stage folder of the run in {out.parent}: eval.py does not write into "
+                f"a run's own folders. Give another --out (e.g. {out.parent / f'{out.name}-{{dataset}}'}), or leave it "
+                f"out for runs/eval/<draft>_<dataset>")
+    return None
 
 
 def argument_problems(args) -> list[str]:
@@ -147,9 +162,13 @@ def main(argv=None) -> int:
     if problems:
         parser.error("\n  ".join(problems))  # usage, the problems, exit code 2: before anything is loaded or written
     args.out = args.out or str(default_out(args.draft, args.dataset_path or args.dataset))
+    problem = out_problem(Path(args.out))
+    if problem:
+        parser.error(problem)
     try:  # two evals writing one folder would mix their reports
+        own_root(args.out)  # no write below --out passes through a link
         lock_for_process(Path(args.out) / ".draftsmith.lock", f"--out {args.out}")
-    except LockedError as exc:
+    except (LockedError, LinkedPathError) as exc:
         print(f"[eval] refused: {exc}", file=sys.stderr)
         return 2
     keep_freed_memory()  # torch's CPU tensors come from malloc (core/malloc.py)
@@ -166,7 +185,7 @@ def main(argv=None) -> int:
             dataset_path=args.dataset_path, scheduler=not args.no_scheduler, hf_generate=args.hf_generate,
             ngram_baseline=args.ngram_baseline, any_target=args.any_target, full_vocab=args.full_vocab,
             verify_schedule=args.schedule, sts_path=args.sts, lookup_first=args.lookup_first))
-    except (TargetMismatchError, ScheduleError) as exc:
+    except (TargetMismatchError, ScheduleError, LinkedPathError) as exc:
         print(f"[eval] refused: {exc}", file=sys.stderr)
         return 2
     print_summary(report)

@@ -24,7 +24,8 @@ from pathlib import Path
 import yaml
 
 from core import stage
-from core.io import LockedError, atomic_write_bytes, atomic_write_text, lock_for_process, remove_own_temps
+from core.io import (LinkedPathError, LockedError, atomic_write_bytes, atomic_write_text, link_problem, links_under,
+                     lock_for_process, own_root, remove_own_temps)
 from core.malloc import keep_freed_memory
 from core.recipe import RecipeError, list_recipes, load_recipe, shareable_recipe_dict
 from core.server import ENGINES, engine_python_problem
@@ -34,7 +35,8 @@ from data.sources import source_problem
 # needed, so that --help, --list-recipes and a bad recipe, stage or input answer within a second.
 
 STAGES = ("regenerate", "cache", "train", "opd", "eval", "export")
-STAGE_DIRS = ("regen", "cache", "train", "opd", "eval", "export")  # each stage's folder under --out
+STAGE_DIRS = dict(zip(STAGES, stage.STAGE_DIRS))  # each stage's folder under --out
+LOCK_NAME = ".draftsmith.lock"
 RECIPE_NAME = "recipe.yaml"  # the recipe a run last started with, written beside the stage folders
 
 
@@ -78,23 +80,27 @@ def main(argv=None) -> int:
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var) is None and recipe.target.name_or_path == "smollm2-135m-instruct":
             os.environ[var] = "1"  # the embedded target never needs the hub
-    if recipe.regen.backend == "auto":
+    problems = planted_links(stages, out)  # first: nothing below reads through one
+    if not problems and recipe.regen.backend == "auto":
         recipe.regen.backend = regen_backend_for(recipe, stages, out)
-    problems = check_inputs(recipe, stages, out, int(os.environ.get("WORLD_SIZE", "1")))
+    problems = problems or check_inputs(recipe, stages, out, int(os.environ.get("WORLD_SIZE", "1")))
     if problems:
         print(f"error: recipe '{recipe.name}' cannot run:\n  " + "\n  ".join(problems), file=sys.stderr)
         return 2
     keep_freed_memory()  # torch's CPU tensors come from malloc: glibc's defaults fault them in again and again
 
+    own_root(out)  # every rank: no write below --out passes through a link
     if int(os.environ.get("RANK", "0")) == 0:  # one lock per run; rank 0 stops a second run (torchrun the rest)
+        was_run = (out / LOCK_NAME).is_file() or (out / RECIPE_NAME).is_file()  # before this run made either
         try:
-            lock_for_process(out / ".draftsmith.lock", f"--out {out}")
-        except LockedError as exc:
+            lock_for_process(out / LOCK_NAME, f"--out {out}")
+        except (LockedError, LinkedPathError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        # the lock is ours: no other writer's temporaries are in there; the user's files are never touched
-        ours = [out / d for d in STAGE_DIRS if (out / d / stage.SETTINGS_NAME).is_file()]  # each stage pins first
-        stale = remove_own_temps(out, ours, [RECIPE_NAME])
+        # The lock is ours: no other writer's temporaries are in there. Only folders with DraftSmith's stage marker
+        # are swept, and the recipe's temporaries only where a run was before; the user's files are never touched.
+        ours = [out / d for d in stage.STAGE_DIRS if stage.is_ours(out / d)]
+        stale = remove_own_temps(out, ours, [RECIPE_NAME] if was_run else [])
         if stale:
             print(f"[draftsmith] removed {len(stale)} temporary file(s) an interrupted run left in {out}", flush=True)
     from core.dist import close_dist, init_dist
@@ -109,7 +115,7 @@ def main(argv=None) -> int:
         dist.print(f"[draftsmith] recipe {recipe.name} ({recipe.family}), target {recipe.target.name_or_path}, "
                    f"stages {','.join(stages)}, out {out}, {dist.world_size} rank(s) on {dist.device.type}")
         run_stages(recipe, stages, out, dist)
-    except (stage.StageMismatchError, CacheMismatchError) as exc:
+    except (stage.StageMismatchError, CacheMismatchError, LinkedPathError) as exc:
         # a folder made with other settings: the user's input, not a bug, so its message alone (once, not a
         # traceback from every rank)
         if dist.is_main:
@@ -165,6 +171,16 @@ def missing_inputs(recipe, stages: list[str], out: Path) -> list[str]:
                 problems.append(f"--stages {name} reads {folder}, which no finished {maker} stage wrote: run "
                                 f"{maker} first (e.g. --stages {maker},{name}), or point --out at the run that has it")
     return problems
+
+
+def planted_links(stages: list[str], out: Path) -> list[str]:
+    """Links in the folders this run writes (the stages' own, the run's recipe and lock): a stage would refuse them
+    when it starts, after the stages before it ran; refused here, before anything, naming each."""
+    if not out.is_dir():
+        return []
+    found = [link for name in stages for link in links_under(out / STAGE_DIRS[name])]
+    found += [out / name for name in (RECIPE_NAME, LOCK_NAME) if (out / name).is_symlink()]
+    return [link_problem(link) for link in found]
 
 
 def regen_backend_for(recipe, stages: list[str], out: Path) -> str:
@@ -297,6 +313,8 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             dist.wait()
         elif name == "export":
             if dist.is_main:
+                if stage.is_done(out / "eval"):
+                    stage.verify_outputs(out / "eval")  # an sts.json edited since the eval wrote it is not shipped
                 sts, sps = out / "eval" / STS_FILENAME, out / "eval" / SPS_FILENAME
                 done = run_export_stage(final_draft(recipe, out), out / "export", recipe.target.name_or_path,
                                         sts if sts.is_file() else None, sps if sps.is_file() else None)

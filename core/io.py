@@ -1,9 +1,17 @@
-"""Atomic, durable file and folder publishing: the one place DraftSmith writes anything a crash could leave half done.
+"""Atomic, durable file and folder publishing: the one place DraftSmith writes anything a crash could leave half
+done, or a planted link could send outside the run's folder.
 
 A reader sees the old file (or folder) or the whole new one, never a part: everything is written under a temporary
 name in the destination's own folder, fsynced, then moved into place with os.replace, and the folder entry is
 fsynced too (a rename is only durable once the directory itself reaches the disk).
 
+No write ever goes through a symbolic link: a link at the final path is replaced (rename(2) moves the new file over
+the link itself, never into what it points to), a scratch file is created exclusively without following one
+(O_EXCL | O_NOFOLLOW, after removing whatever stale entry had its name), and below a folder declared with `own_root`
+(a run's --out) a folder that is a link is refused, naming it. tests/test_output_safety.py fails when project code
+outside these writers opens a file for writing.
+
+    own_root(out)                               # once, before the first write below `out`
     atomic_write_json(run / "DONE.json", stats)
     with publish_dir(out / "final") as tmp:     # tmp is a fresh folder beside out/final
         save_something(tmp)                     # on success it replaces out/final in one rename
@@ -20,6 +28,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -64,9 +73,138 @@ def sync_file(handle) -> None:
 
 
 def replace(src, dst) -> None:
-    """os.replace(src, dst), durable: the destination folder's entry is fsynced."""
+    """os.replace(src, dst), durable: the destination folder's entry is fsynced. A link at `dst` is replaced, not
+    followed."""
     os.replace(src, dst)
-    fsync_dir(Path(dst).resolve().parent)
+    fsync_dir(Path(os.path.abspath(dst)).parent)  # not resolve(): that would follow a link that stood at dst
+
+
+# --- never through a link ------------------------------------------------------------------------------------------
+
+
+class LinkedPathError(OSError):
+    """A path DraftSmith would write (or read back as its own) is a symbolic link it did not make."""
+
+
+_ROOTS: set[str] = set()  # folders this process writes into (own_root): no folder below them may be a link
+
+
+def own_root(root) -> Path:
+    """Declare `root` (a run's --out, eval.py's, an export's) a folder this process writes into: from now on every
+    writer here refuses a path below it whose folders pass through a symbolic link, so nothing lands outside it.
+    `root` itself may be a link (runs -> /scratch/runs is the user's choice, made before the run); below it, every
+    folder is the run's own."""
+    root = Path(os.path.abspath(root))
+    _ROOTS.add(str(root))
+    return root
+
+
+def link_problem(path) -> str:
+    """The refusal for a link found at `path`, naming where it points (never what it holds)."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return (f"{path} is a symbolic link (to {target}): DraftSmith never writes through, nor reads back as its own, a "
+            f"link it did not make. Remove the link (the run makes its own file or folder there), or point --out "
+            f"at another folder")
+
+
+def _check_folders(folder: Path) -> None:
+    """Raise LinkedPathError when `folder`, or a folder between it and the root it lies below (own_root), is a link;
+    NotADirectoryError when one of them is a file. Outside every root nothing is checked (the user's own paths)."""
+    folder = Path(os.path.abspath(folder))
+    roots = [Path(r) for r in _ROOTS if folder == Path(r) or Path(r) in folder.parents]
+    if not roots:
+        return
+    root = max(roots, key=lambda r: len(r.parts))
+    current = root
+    for part in folder.parts[len(root.parts):]:
+        current = current / part
+        try:
+            mode = os.lstat(current).st_mode
+        except FileNotFoundError:
+            return  # made from here down by make_dir
+        if stat.S_ISLNK(mode):
+            raise LinkedPathError(link_problem(current))
+        if not stat.S_ISDIR(mode):
+            raise NotADirectoryError(f"{current} is a file where DraftSmith keeps a folder: move it away, or point "
+                                     f"--out at another folder")
+
+
+def make_dir(folder) -> Path:
+    """mkdir -p `folder`, refusing a link on the way below its root (own_root)."""
+    folder = Path(folder)
+    _check_folders(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file, or a link to one, has its name
+        raise NotADirectoryError(f"{folder} is {'a link to ' if folder.is_symlink() else ''}a file where DraftSmith "
+                                 f"makes a folder: move it away, or point --out at another folder") from None
+    return folder
+
+
+def fresh_dir(folder) -> Path:
+    """An empty folder at `folder`, made now: whatever had its name (a folder a killed write left half full, a planted
+    link) is removed first (a link itself, never what it points to)."""
+    folder = Path(folder)
+    make_dir(folder.parent)
+    if folder.is_symlink() or folder.is_file():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir()
+    return folder
+
+
+def open_new(path):
+    """A new file open for writing bytes at `path` (a fixed scratch name, as the hidden-state cache's recovery expects;
+    a server's log): a stale file or planted link of that name is removed first (the link, not its target), and the
+    file is created exclusively, so no link can be followed (O_EXCL | O_NOFOLLOW)."""
+    path = Path(path)
+    make_dir(path.parent)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "wb")
+
+
+def open_append(path):
+    """`path` open for appending text (a log written line by line, metrics.jsonl), created when missing; a link at
+    `path` is refused (O_NOFOLLOW), never appended through."""
+    path = Path(path)
+    make_dir(path.parent)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    except OSError as err:
+        if path.is_symlink():
+            raise LinkedPathError(link_problem(path)) from None
+        raise write_failure(path, err) from err
+    return os.fdopen(fd, "a")
+
+
+def own_file(path) -> bool:
+    """Whether `path` is a file this run may read back as its own (a stage's settings.json, DONE.json): True for a
+    regular file, False when nothing is there, LinkedPathError for a link (never taken for ours)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    if stat.S_ISLNK(mode):
+        raise LinkedPathError(link_problem(path))
+    return stat.S_ISREG(mode)
+
+
+def links_under(folder) -> list[Path]:
+    """Every symbolic link inside `folder` (its files and folders, walked without following one), and `folder` itself
+    when it is one: what a stage refuses to start on (its folder holds only what DraftSmith wrote)."""
+    folder = Path(folder)
+    if folder.is_symlink():
+        return [folder]
+    found = []
+    for parent, dirs, files in os.walk(folder):
+        found += [Path(parent, name) for name in dirs + files if os.path.islink(os.path.join(parent, name))]
+    return sorted(found)
 
 
 def atomic_write_bytes(path, data: bytes, *, tmp_path=None) -> None:
@@ -80,15 +218,15 @@ def atomic_write_bytes(path, data: bytes, *, tmp_path=None) -> None:
 def atomic_open(path, *, tmp_path=None):
     """A file open for writing bytes that becomes `path` atomically when the block ends without an error: a file
     written piece by piece, never held whole in memory (the merged regeneration records). On an error the temporary
-    is removed and `path` stays as it was."""
+    is removed and `path` stays as it was. A link at `path` is replaced by the new file, never written through."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(path.parent)
     if tmp_path is None:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)  # O_EXCL: no link followed
         handle = os.fdopen(fd, "wb")
     else:
         tmp = str(tmp_path)
-        handle = open(tmp, "wb")
+        handle = open_new(tmp)
     try:
         with handle:
             yield handle
@@ -148,26 +286,29 @@ def publish_dir(dst, *, if_exists: str = "replace") -> Iterator[Path]:
     """Yield a fresh temporary folder beside `dst`; when the block ends without an error, fsync what it holds and
     move it to `dst` in one rename. On an error nothing changes at `dst` and the temporary folder is removed.
 
-    if_exists: "replace" (the old folder is moved aside only once the new one is complete, then deleted),
-    "keep" (another process published first, e.g. a parallel rank converting the same model: keep theirs),
-    "error" (FileExistsError).
+    if_exists: "replace" (the old folder, or a link standing at `dst`, is moved aside only once the new one is
+    complete, then deleted: a link itself, never what it points to), "keep" (another process published first, e.g. a
+    parallel rank converting the same model: keep theirs), "error" (FileExistsError). With "keep" or "error" a link
+    at `dst` is refused.
     """
     if if_exists not in ("replace", "keep", "error"):
         raise ValueError(f"if_exists must be replace, keep or error, got {if_exists!r}")
     dst = Path(dst)
+    if dst.is_symlink() and if_exists != "replace":
+        raise LinkedPathError(link_problem(dst))
     if if_exists == "error" and dst.exists():
         raise FileExistsError(f"{dst} already exists")
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(dst.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         yield tmp
         share_as_umask_allows(tmp)
         sync_tree(tmp)
-        if dst.exists() and if_exists == "replace":
+        if os.path.lexists(dst) and if_exists == "replace":
             old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent))
-            os.replace(dst, old / "x")
+            os.replace(dst, old / "x")  # renames the entry at dst: a link moves, its target stays where it is
             replace(tmp, dst)
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(old, ignore_errors=True)  # unlinks a link inside, never follows it
         else:
             try:
                 replace(tmp, dst)
@@ -219,6 +360,8 @@ def remove_own_temps(root, stage_dirs, root_names=()) -> list[Path]:
             if temporary_destination(path.name) in root_names:
                 remove(path)
     for stage_dir in stage_dirs:
+        if Path(stage_dir).is_symlink():
+            continue  # not a folder this run made: another run's, or a planted link
         for folder, dirs, files in os.walk(stage_dir):
             for name in [d for d in dirs if is_temporary(d)]:
                 dirs.remove(name)  # not walked into: it is going
@@ -275,11 +418,15 @@ def write_checksums(folder) -> None:
     atomic_write_json(folder / CHECKSUMS_NAME, sums)
 
 
-def verify_checksums(folder) -> None:
-    """Raise ValueError naming the first file of `folder` that is missing or differs from its checksums.json (a
-    folder without one, written before checksums existed, is not checked)."""
+def verify_checksums(folder, required: bool = False) -> None:
+    """Raise ValueError naming the first file of `folder` that is missing or differs from its checksums.json. A folder
+    without one (written before checksums existed, or by hand) is not checked, unless `required`: a folder its writer
+    always checksums (a checkpoint, a stage's published draft), whose checksums.json was deleted, is refused."""
     folder = Path(folder)
     if not (folder / CHECKSUMS_NAME).is_file():
+        if required:
+            raise ValueError(f"{folder / CHECKSUMS_NAME} is missing: the folder's files cannot be checked against "
+                             f"what was written, so none is trusted. Restore it, or make the folder again")
         return
     for name, digest in read_json(folder / CHECKSUMS_NAME).items():
         path = folder / name
@@ -294,23 +441,40 @@ class LockedError(RuntimeError):
 
 
 _HELD: dict[str, int] = {}  # lock path -> open fd, kept for the life of the process (-1: a pid file holds it)
+_HOLDER_BYTES = 200  # what a lock file says of its holder is read back up to this many bytes: `pid N on HOST`
+
+
+def _open_lock_file(path: Path, flags: int) -> int:
+    """os.open of a lock or pid file that never follows a link (a planted one would have us truncate, or print, the
+    file it points to) and is a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)  # open() applies the umask itself
+    except OSError:
+        if path.is_symlink():
+            raise LinkedPathError(link_problem(path)) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LockedError(f"{path} is not a regular file: DraftSmith's lock file is; move it away")
+    return fd
 
 
 def lock_for_process(lock_path, what: str) -> None:
     """Take an advisory lock (flock on `lock_path`) until this process exits, or raise LockedError naming the pid
     and host that hold it. The kernel releases it when the holder dies, however it dies (kill -9 included), so a
     requeued job never finds a stale lock; a second live run on the same `what` is refused instead of interleaving
-    writes with the first. Taking a lock this process already holds is a no-op."""
+    writes with the first. Taking a lock this process already holds is a no-op. A link at `lock_path` is refused
+    (LinkedPathError), never opened."""
     lock_path = Path(lock_path)
-    key = str(lock_path.resolve())
+    key = os.path.abspath(lock_path)
     if key in _HELD:
         return
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)  # open() applies the umask itself
+    make_dir(lock_path.parent)
+    fd = _open_lock_file(lock_path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown pid"
+        holder = os.pread(fd, _HOLDER_BYTES, 0).decode(errors="replace").strip() or "unknown pid"
         os.close(fd)
         raise LockedError(f"{what} is in use by another run ({holder}, lock file {lock_path}): wait for it to "
                           f"finish or stop it, or use another output folder") from None
@@ -324,6 +488,18 @@ def lock_for_process(lock_path, what: str) -> None:
     _HELD[key] = fd
 
 
+@contextlib.contextmanager
+def exclusive(lock_path) -> Iterator[None]:
+    """Hold a blocking flock on `lock_path` for the block (ranks of one job, or parallel test workers, converting
+    one shared asset: one works, the others wait); a link at `lock_path` is refused, never opened."""
+    fd = _open_lock_file(make_dir(Path(lock_path).parent) / Path(lock_path).name, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _lock_by_pid_file(lock_path: Path, what: str, why: OSError) -> None:
     """The lock where flock is missing: `<lock>.pid`, created exclusively, holding `pid N on HOST`, removed at exit.
     A holder on this host that is no longer alive is stale and replaced; one on another host cannot be checked from
@@ -332,9 +508,13 @@ def _lock_by_pid_file(lock_path: Path, what: str, why: OSError) -> None:
     me = f"pid {os.getpid()} on {socket.gethostname()}"
     for _ in range(2):
         try:
-            fd = os.open(pid_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = os.open(pid_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
         except FileExistsError:
-            holder = pid_file.read_text(errors="replace").strip()
+            reader = _open_lock_file(pid_file, os.O_RDONLY)  # a link there: refused, its target never printed
+            try:
+                holder = os.read(reader, _HOLDER_BYTES).decode(errors="replace").strip()
+            finally:
+                os.close(reader)
             pid, _, host = holder.removeprefix("pid ").partition(" on ")
             if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
                 pid_file.unlink(missing_ok=True)  # its run died without removing it

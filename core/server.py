@@ -27,6 +27,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from core.io import open_new
 from core.redact import SECRET_WORDS, redact_args
 from core.server_procs import TAG_VAR, kill_tagged, port_held_by, tagged_processes
 
@@ -191,13 +192,12 @@ class LiveServer:
             self._old_sigterm = signal.signal(signal.SIGTERM, interrupt)
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         print(f"[live] starting: {' '.join(self.command)}\n[live] log: {self.log_path}", flush=True)
         # First, so no server runs unwatched: it kills the server's tree once its stdin, our pipe, closes. Its own
         # session keeps a terminal's Ctrl-C away from it.
         self.watchdog = subprocess.Popen([sys.executable, str(Path(__file__).with_name("server_procs.py")), self.tag],
                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
-        with open(self.log_path, "wb") as log:
+        with open_new(self.log_path) as log:
             try:
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, env=self.env, start_new_session=True,

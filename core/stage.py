@@ -21,10 +21,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from core.io import atomic_write_json, read_json, sha256_file
+from core.io import (CHECKSUMS_NAME, LinkedPathError, atomic_write_bytes, atomic_write_json, link_problem, links_under,
+                     own_file, read_json, sha256_file, verify_checksums)
 
+# each stage's folder under a run's --out, in pipeline order (regenerate, cache, train, opd, eval, export)
+STAGE_DIRS = ("regen", "cache", "train", "opd", "eval", "export")
 SETTINGS_NAME = "settings.json"
 DONE_NAME = "DONE.json"
+# A folder is a DraftSmith stage folder by this marker only (never by a generic name like settings.json): a rerun
+# sweeps its writers' temporaries there and nowhere else.
+MARKER_NAME = ".draftsmith-stage"
+_MARKER = b"DraftSmith stage folder: a rerun removes the temporaries its writers left in here\n"
 
 
 class StageMismatchError(RuntimeError):
@@ -44,15 +51,35 @@ def _flatten(obj, prefix="") -> dict:
     return {prefix.rstrip("."): obj}
 
 
+def is_ours(stage_dir: Path) -> bool:
+    """Whether `stage_dir` is a stage folder DraftSmith made: a real folder holding its marker (a regular file)."""
+    marker = Path(stage_dir) / MARKER_NAME
+    try:
+        return not Path(stage_dir).is_symlink() and own_file(marker) and marker.read_bytes() == _MARKER
+    except LinkedPathError:
+        return False
+
+
+def refuse_links(stage_dir: Path) -> None:
+    """A stage folder holds only what DraftSmith wrote: a link in it (or the folder itself a link) would have the stage
+    read back someone else's file as its own state, or write through it. Refused before the stage reads or writes,
+    naming every link."""
+    links = links_under(stage_dir)
+    if links:
+        shown = "\n  ".join(link_problem(link) for link in links[:10])
+        more = f"\n  and {len(links) - 10} more" if len(links) > 10 else ""
+        raise LinkedPathError(f"{stage_dir} holds {len(links)} symbolic link(s) it did not make:\n  {shown}{more}")
+
+
 def pinned(stage_dir: Path) -> dict:
     """The settings pinned to `stage_dir` ({} when none are yet)."""
     path = Path(stage_dir) / SETTINGS_NAME
-    return read_json(path) if path.is_file() else {}
+    return read_json(path) if own_file(path) else {}
 
 
 def _changes(stage_dir: Path, settings: dict) -> dict[str, str]:
     """{dotted key: what differs} between `settings` and the ones pinned to `stage_dir` (nothing pinned: nothing)."""
-    if not (Path(stage_dir) / SETTINGS_NAME).is_file():
+    if not own_file(Path(stage_dir) / SETTINGS_NAME):
         return {}
     old, new = _flatten(pinned(stage_dir)), _flatten(json.loads(json.dumps(settings)))
     return {k: f"{k}: {old.get(k)!r} in the folder, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
@@ -62,6 +89,7 @@ def _changes(stage_dir: Path, settings: dict) -> dict[str, str]:
 def begin(stage_dir: Path, settings: dict, is_main: bool = True, notes: dict[str, str] | None = None) -> None:
     """Pin `settings` to `stage_dir` (first run) or check they match what the folder was made with. `notes`: a
     sentence per (dotted) key, added to the refusal when that key differs (what a digest's change means)."""
+    refuse_links(stage_dir)
     diff = _changes(stage_dir, settings)
     if diff:
         explained = [note for key, note in (notes or {}).items() if key in diff]
@@ -70,8 +98,16 @@ def begin(stage_dir: Path, settings: dict, is_main: bool = True, notes: dict[str
             + "".join(f"\n{note}" for note in explained)
             + f"\nUse another --out, or delete {stage_dir} to rebuild it."
         )
-    if is_main and not (Path(stage_dir) / SETTINGS_NAME).is_file():
-        atomic_write_json(Path(stage_dir) / SETTINGS_NAME, settings)
+    if is_main and not own_file(Path(stage_dir) / SETTINGS_NAME):
+        _pin(stage_dir, settings)
+
+
+def _pin(stage_dir: Path, settings: dict) -> None:
+    """settings.json, after the marker that makes the folder DraftSmith's (a crash between them leaves a marked
+    folder with nothing pinned, which the rerun pins)."""
+    if not is_ours(stage_dir):
+        atomic_write_bytes(Path(stage_dir) / MARKER_NAME, _MARKER)
+    atomic_write_json(Path(stage_dir) / SETTINGS_NAME, settings)
 
 
 def start(stage_dir: Path, settings: dict, name: str, is_main: bool = True, on_change: str = "refuse",
@@ -82,12 +118,13 @@ def start(stage_dir: Path, settings: dict, name: str, is_main: bool = True, on_c
     than the folder's unpin it and run the stage again instead of refusing; nothing costly is lost."""
     if on_change not in ("refuse", "rerun"):
         raise ValueError(f"on_change must be 'refuse' or 'rerun', got {on_change!r}")
+    refuse_links(stage_dir)
     diff = _changes(stage_dir, settings) if on_change == "rerun" else {}
     if diff and is_main:
         print(f"[{name}] {stage_dir} was made with other settings; running it again:\n  "
               + "\n  ".join(diff.values()), flush=True)
         (Path(stage_dir) / DONE_NAME).unlink(missing_ok=True)  # first: a crash from here on leaves it not done
-        atomic_write_json(Path(stage_dir) / SETTINGS_NAME, settings)
+        _pin(stage_dir, settings)
     begin(stage_dir, settings, is_main, notes)
     if not is_done(stage_dir):
         return None
@@ -97,7 +134,10 @@ def start(stage_dir: Path, settings: dict, name: str, is_main: bool = True, on_c
 
 
 def is_done(stage_dir: Path) -> bool:
-    return (Path(stage_dir) / DONE_NAME).is_file()
+    """Whether the stage finished: its DONE.json, a regular file (a link there is not the stage's, and `begin`
+    refuses it)."""
+    done = Path(stage_dir) / DONE_NAME
+    return done.is_file() and not done.is_symlink()
 
 
 OUTPUTS_KEY = "outputs"  # DONE.json: {file name: {"bytes": n, "sha256": hex}} of what later stages read
@@ -132,6 +172,18 @@ def verify_outputs(stage_dir: Path) -> dict[str, str]:
         raise DamagedOutputError(f"{path} {problem} ({stage_dir / DONE_NAME}): refusing to read it. "
                                  f"Restore the file, or delete {stage_dir} to make it again")
     return {name: was["sha256"] for name, was in recorded.items()}
+
+
+def verify_published(folder: Path) -> None:
+    """Before a draft folder is read: its files as its checksums.json lists them (core/io.verify_checksums). Where a
+    finished stage published the folder (train/final, opd/final), that stage's DONE.json records the checksums.json
+    itself, so a deleted or edited one is refused too, not taken for a folder written before checksums existed."""
+    folder = Path(folder)
+    recorded = f"{folder.name}/{CHECKSUMS_NAME}"
+    published = is_done(folder.parent) and recorded in read_done(folder.parent).get(OUTPUTS_KEY, {})
+    if published:
+        verify_outputs(folder.parent)
+    verify_checksums(folder, required=published)
 
 
 def read_done(stage_dir: Path) -> dict:

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Optional
 import numpy as np
 import torch
 
-from core.io import atomic_write_bytes, fsync_dir, replace, sync_file, write_failure
+from core.io import atomic_write_bytes, fsync_dir, make_dir, open_new, replace, sync_file, write_failure
 from data.cache import (ALIGNMENT, FORMAT_VERSION, INDEX_NAME, INDEX_STRUCT, MANIFEST_NAME, CacheCorruptedError,
                         CacheMismatchError, CacheSpec, align, canonical_json, fp8_encode, remove_if_exists, shard_name,
                         sidecar_name)
@@ -147,7 +147,7 @@ class CacheWriter:
             "meta": self.meta,
         }
         self._plan_sha = hashlib.sha256(canonical_json(self._plan)).hexdigest()
-        os.makedirs(self.root, exist_ok=True)
+        make_dir(self.root)
         self._check_or_write_plan()
 
     # -- plan ------------------------------------------------------------------------------------
@@ -238,7 +238,7 @@ class CacheWriter:
         rows: list[list[int]] = []
         num_tokens = 0
         try:
-            with open(shard_tmp, "wb") as f:
+            with open_new(shard_tmp) as f:  # a stale scratch file or a planted link goes first
                 sink = _ShardSink(f)
                 it = iter(records)
                 for k, record_id in enumerate(expected):
@@ -272,7 +272,7 @@ class CacheWriter:
                 # [record_id, seq_len, off_ids, off_mask, off_hidden, off_last, num_bytes, crc32]
                 "rows": rows,
             }
-            with open(sidecar_tmp, "wb") as f:
+            with open_new(sidecar_tmp) as f:
                 f.write(canonical_json(sidecar))
                 sync_file(f)
         except BaseException as err:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from core.io import atomic_write_json, atomic_write_text
+from core.io import atomic_write_json, atomic_write_text, make_dir
 from core.server import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, LiveServer, ServerStartError,
                          default_engine_python, engine_python_problem, free_port)
 from data.prompts import eval_prompts
@@ -184,7 +184,7 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     draft_dir = Path(draft)
     if not (draft_dir / "config.json").is_file():
         raise ValueError(f"--live needs a trained draft folder (config.json + model.safetensors); got {draft!r}")

@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from core import stage
-from core.io import atomic_write_json, atomic_write_text, read_json
+from core.io import atomic_open, atomic_write_json, atomic_write_text, make_dir, read_json
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import eval_prompts
 from eval import SCHEDULES
@@ -42,7 +42,7 @@ from eval.scheduler import VerifySchedule, format_table, profile_sps, simulate
 from eval.lookup import LookupFirstDrafter, NgramDrafter
 from eval.spec_decode import (DraftLMDrafter, GenerationResult, is_greedy, load_draft, speculative_generate, sync_clock,
                               target_generate)
-from export.serving import SpsTable, load_sts, save_sts
+from export.serving import SPS_FILENAME, STS_FILENAME, SpsTable, load_sts, save_sts
 from modeling.registry import draft_digest
 from modeling.target import TargetRunner, load_target, load_tokenizer
 
@@ -177,7 +177,7 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
                             f"verify schedule (lookup's rounds have no confidences): got draft {s.draft!r}, schedule "
                             f"{s.verify_schedule!r}")
     out_dir = Path(s.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir)
     if target is None:
         target = load_target(s.target_name, s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(s.target_name)
@@ -302,6 +302,7 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
                 "system_prompt": recipe.data.system_prompt, "enable_thinking": recipe.regen.enable_thinking,
                 "draft_sha256": draft_digest(draft_dir)}
     if stage.start(eval_dir, settings, "eval", on_change="rerun") is not None:
+        stage.verify_outputs(eval_dir)  # a report rewritten since (another eval's) is refused, not printed as ours
         return read_json(Path(eval_dir) / "report.json")
     report = run_eval(EvalSettings(
         draft=str(draft_dir), target_name=recipe.target.name_or_path, dataset=recipe.eval.dataset, out_dir=eval_dir,
@@ -309,7 +310,9 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
         max_new_tokens=recipe.eval.max_new_tokens, seed=recipe.seed, system_prompt=recipe.data.system_prompt,
         enable_thinking=recipe.regen.enable_thinking, ngram_baseline=recipe.eval.ngram_baseline), target=target)
     # written last, after report.md and the plot: a crash before it reruns the stage
-    stage.mark_done(eval_dir, {"accept_len": report["accept_len"]})
+    # recorded: export ships sts.json and sps_table.json, and the skipped stage prints report.json's tau
+    outputs = [name for name in ("report.json", STS_FILENAME, SPS_FILENAME) if (Path(eval_dir) / name).is_file()]
+    stage.mark_done(eval_dir, {"accept_len": report["accept_len"]}, outputs=outputs)
     return report
 
 
@@ -327,19 +330,19 @@ def _calibrate(rounds, gamma: int, out_dir: Path, dataset: str) -> dict:
     logits, labels, mask = _confidence_arrays(rounds, gamma)
     before = calibration_report(logits, labels, mask)
     result = calibrate_sts(logits, labels, mask)
-    save_sts(out_dir / "sts.json", dataset=dataset, **result)
+    save_sts(out_dir / STS_FILENAME, dataset=dataset, **result)
     return {"before": before, "sts_temperatures": result["temperatures"], "ece_before": result["ece_before"],
-            "ece_after": result["ece_after"], "sts_path": str(out_dir / "sts.json")}
+            "ece_after": result["ece_after"], "sts_path": str(out_dir / STS_FILENAME)}
 
 
 def _schedule(target, layer_ids, rounds, gamma: int, out_dir: Path, seed: int) -> dict:
     # The SPS table SGLang's scheduler reads: verify steps of up to 128 tokens (a batch of requests' drafts), timed
     # like the loop's own profile (after a context, in interleaved sweeps).
     table = profile_loop_sps(target, layer_ids, [1, 2, 4, 8, 16, 32, 64, 128])
-    table.save(out_dir / "sps_table.json")
+    table.save(out_dir / SPS_FILENAME)
     by_request = [[(r.confidences, r.accept_flags) for r in rounds]]
     rows = simulate(by_request, table, gammas=list(range(1, gamma + 1)), batch_sizes=(1, 4, 16), seed=seed)
-    return {"sps_table_path": str(out_dir / "sps_table.json"), "rows": rows, "table": format_table(rows)}
+    return {"sps_table_path": str(out_dir / SPS_FILENAME), "rows": rows, "table": format_table(rows)}
 
 
 class ScheduleError(ValueError):
@@ -457,7 +460,8 @@ def save_plot(fig, ax, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_open(path) as handle:  # a link at `path` is replaced, never written through
+        fig.savefig(handle, dpi=120, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
 
 

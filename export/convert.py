@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from core import stage
 from core.dist import fault_point
-from core.io import publish_dir, sha256_file
+from core.io import LinkedPathError, link_problem, publish_dir, sha256_file
 from core.recipe import RecipeError, load_recipe
 from core.server import ENGINES, SERVING_ALGORITHMS
 from export.serving import (SERVING_DTYPES, SPS_FILENAME, STS_FILENAME, SpsTable, check_sps_range, check_sts_length,
@@ -331,6 +331,7 @@ def _eval_of(checkpoint_dir: Path) -> Path | None:
     if run is None or not stage.is_done(run / "eval") \
             or stage.pinned(run / "eval").get("draft_sha256") != draft_digest(checkpoint_dir):
         return None
+    stage.verify_outputs(run / "eval")  # an sts.json edited since that eval wrote it is refused, not shipped
     return run / "eval"
 
 
@@ -439,6 +440,8 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
     if not weights_path.is_file():
         raise FileNotFoundError(f"{weights_path} not found: expected a draft folder written by training "
                                 f"({CONFIG_NAME} + {WEIGHTS_NAME})")
+    if out_dir.is_symlink():
+        raise LinkedPathError(link_problem(out_dir))
     if out_dir.exists() and not overwrite:
         raise FileExistsError(f"{out_dir} already exists (pass overwrite=True / --overwrite)")
     if out_dir.exists() or out_dir.is_symlink():

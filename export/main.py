@@ -14,7 +14,7 @@ from pathlib import Path
 # `python export/main.py` puts export/ first on sys.path; the project root must come first.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from core.io import LockedError, is_temporary, lock_for_process  # noqa: E402
+from core.io import LinkedPathError, LockedError, is_temporary, lock_for_process, own_root  # noqa: E402
 from core.server import ENGINES, SERVING_ALGORITHMS  # noqa: E402
 
 
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from modeling.target import resolve_target
 
     try:
+        own_root(args.out)
         # beside --out, not in it: the export replaces the whole folder
         lock_for_process(args.out.parent / f".{args.out.name}.lock", f"--out {args.out}")
         for stale in args.out.parent.glob(f".{args.out.name}.*"):  # an earlier export killed mid-write left these
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         target = resolve_target(target) if target else None  # the embedded SmolLM2's name -> its local folder
         out = export_draft(args.checkpoint, args.to, args.out, algorithm=args.algorithm, sts_path=args.sts,
                            sps_path=args.sps, verifier=target, dtype=args.dtype, overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError, LockedError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, LockedError, LinkedPathError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
         return 2
     print(out.resolve())

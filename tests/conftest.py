@@ -228,6 +228,7 @@ def pytest_collection_modifyitems(items):
 DRILL_KINDS = {"kill": "kill -9 at a fault point", "random-kill": "kill -9 at a random time",
                "disk-full": "disk full", "corruption": "corrupted file", "two-runs": "two runs on one folder",
                "server": "failing server", "hung-rank": "a hung rank", "stop-signal": "SIGTERM mid-stage",
+               "link": "a planted link (to a file outside --out) where a run writes",
                "bad-input": "bad input"}
 
 

@@ -325,3 +325,165 @@ def test_a_real_full_disk_then_room_made_the_rerun_gives_the_same_bytes(clean, t
         drill("disk-full", f"a real {small // 1024} KiB tmpfs, then made larger")
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# --- planted links: at every path a run writes, a link to a file outside --out ------------------------------------
+
+# (the stage, its folder under --out); the eval stage runs here too, so its folder is drilled as well
+LINKED_STAGES = [("regenerate", "regen"), ("cache", "cache"), ("train", "train"), ("eval", "eval"),
+                 ("export", "export")]
+# names a run writes that a finished run no longer holds: the cache writer's fixed scratch names, a half-written
+# recipe.yaml's temporary
+SCRATCH = ["cache/shard-00000.bin.tmp", "cache/shard-00000.idx.json.tmp", "cache/writer-plan.json",
+           "cache/index.bin.tmp", "cache/manifest.json.tmp", ".recipe.yaml.abcd1234.tmp"]
+EVAL_SETS = ["--set", "eval.num_samples=1", "--set", "eval.max_new_tokens=4", "--set", "eval.ngram_baseline=false"]
+
+
+class Planted:
+    """Links planted in a folder, each to a file of its own outside it, and the check that none was written
+    through: every outside file keeps its bytes, and each link was refused by name or replaced by the run's own."""
+
+    def __init__(self, outside):
+        self.outside, self.links = outside, {}
+
+    def plant(self, at) -> None:
+        victim = self.outside / f"victim-{len(self.links)}"
+        victim.parent.mkdir(parents=True, exist_ok=True)
+        victim.write_bytes(f"outside file {len(self.links)}, linked from {at}\n".encode())
+        at.parent.mkdir(parents=True, exist_ok=True)
+        if at.is_dir() and not at.is_symlink():
+            shutil.rmtree(at)
+        at.unlink(missing_ok=True)
+        at.symlink_to(victim)
+        self.links[at] = victim
+
+    def check(self, code: int, message: str, drill) -> None:
+        for link, victim in self.links.items():
+            assert victim.read_bytes() == f"outside file {victim.name.split('-')[1]}, linked from {link}\n".encode()
+            if link.is_symlink():  # left in place: the run must have refused, naming it
+                assert code != 0 and f"{link} is a symbolic link" in message, (link, code, message[-2000:])
+            drill("link", f"{link.name} ({'refused' if link.is_symlink() else 'replaced'})")
+
+
+def exit_code(main_function, args) -> int:
+    try:
+        return main_function(args)
+    except SystemExit as refused:  # argparse's refusal
+        return refused.code
+
+
+def _written(folder) -> tuple[list[str], list[str]]:
+    """(files, folders) under `folder`, relative, links not followed."""
+    files, folders = [], []
+    for path in sorted(folder.rglob("*")):
+        (folders if path.is_dir() else files).append(str(path.relative_to(folder)))
+    return files, folders
+
+
+def with_stages(args: list[str], stages: str) -> list[str]:
+    return [stages if i and args[i - 1] == "--stages" else a for i, a in enumerate(args)]
+
+
+@pytest.fixture(scope="module")
+def evaluated(clean, tiny_qwen3, prompt_file, tmp_path_factory):
+    """The clean run with its eval stage run too (sts.json, report.json beside the export's inputs)."""
+    out = tmp_path_factory.mktemp("evaluated") / "run"
+    shutil.copytree(clean["out"], out)
+    assert main(with_stages(args_for(tiny_qwen3, prompt_file, out), "eval") + EVAL_SETS) == 0
+    return out
+
+
+def test_a_link_planted_where_a_run_writes_is_refused_or_replaced(evaluated, tiny_qwen3, prompt_file, tmp_path,
+                                                                  capsys, drill):
+    """At the path of every file and folder a full run writes (each stage, the run's recipe and lock; then eval.py and
+    export/main.py), a link to a file outside --out: the run refuses it, naming it, or replaces it with its own file,
+    and the outside file keeps its bytes. A stage folder's files are planted together (the refusal names them all),
+    each folder alone (a link there hides what is below it)."""
+    ref = evaluated
+    files, folders = _written(ref)
+    files += SCRATCH
+    runs = 0
+    for name, folder in LINKED_STAGES + [("export", ".")]:  # the run's own recipe and lock: planted one at a time
+        own = lambda path: path.split("/")[0] == folder if folder != "." else "/" not in path  # noqa: E731
+        plantings = [[f] for f in files if own(f)] if folder == "." else \
+            [[f for f in files if own(f)]] + [[d] for d in folders if own(d)]
+        for paths in plantings:
+            out = tmp_path / f"run-{runs}"
+            shutil.copytree(ref, out, ignore=lambda d, names: [".draftsmith.lock"] if d == str(ref) else [])
+            if folder != ".":
+                shutil.rmtree(out / folder)  # the stage runs again
+            planted = Planted(tmp_path / f"outside-{runs}")
+            for path in paths:
+                planted.plant(out / path)
+            code = main(with_stages(args_for(tiny_qwen3, prompt_file, out), name) + EVAL_SETS)
+            planted.check(code, capsys.readouterr().err, drill)
+            runs += 1
+    # eval.py: its report files (links replaced), its lock and its --out (refused)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    eval_args = ["--draft", str(ref / "train" / "final"), "--target", str(tiny_qwen3), "--dataset", str(prompt_file),
+                 "--num-samples", "1", "--max-new-tokens", "4", "--no-scheduler"]
+    assert cli.main(eval_args + ["--out", str(tmp_path / "eval-ref")]) == 0
+    report_files, _ = _written(tmp_path / "eval-ref")
+    for paths in [[f for f in report_files if f != ".draftsmith.lock"], [".draftsmith.lock"], ["."]]:
+        out = tmp_path / f"eval-{runs}"
+        planted = Planted(tmp_path / f"outside-{runs}")
+        for path in paths:
+            planted.plant(out / path if path != "." else out)
+        planted.check(exit_code(cli.main, eval_args + ["--out", str(out)]), capsys.readouterr().err, drill)
+        runs += 1
+    # export/main.py: its --out and the lock beside it
+    from export.main import main as export_main
+
+    for path in ("exp", ".exp.lock"):
+        planted = Planted(tmp_path / f"outside-{runs}")
+        planted.plant(tmp_path / f"export-{runs}" / path)
+        code = export_main(["--checkpoint", str(ref / "train" / "final"), "--to", "sglang", "--out",
+                            str(tmp_path / f"export-{runs}" / "exp")])
+        planted.check(code, capsys.readouterr().err, drill)
+        runs += 1
+
+
+def test_the_sweep_never_touches_a_folder_without_the_stage_marker(tiny_qwen3, prompt_file, tmp_path, drill):
+    """A user's project as --out, whose `export/` holds another application's settings.json and files with
+    temporary-looking names: the run's sweep leaves them all (it used to delete them), and sweeps its own."""
+    out = tmp_path / "userproj"
+    theirs = ["export/settings.json", "export/dist/.bundle.js.a1b2c3d4.tmp", "export/dist/.assets.tmp-zz99yy88/logo.png",
+              ".notes.md.k3j_9x2a.tmp"]
+    for name in theirs:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text("the user's\n")
+    args = with_stages(args_for(tiny_qwen3, prompt_file, out), "regenerate")
+    assert main(args) == 0
+    assert [name for name in theirs if not (out / name).is_file()] == []
+    # a temporary of ours in the run's own (marked) stage folder does go
+    (out / "regen" / ".records.jsonl.ab12cd34.tmp").write_text("half written\n")
+    assert main(args) == 0
+    assert not (out / "regen" / ".records.jsonl.ab12cd34.tmp").exists()
+    assert [name for name in theirs if not (out / name).is_file()] == []
+    drill("corruption", "another application's settings.json and temporary-looking files in --out")
+
+
+def test_outputs_edited_or_their_checksums_deleted_after_their_stage_are_refused(evaluated, tiny_qwen3, prompt_file,
+                                                                               tmp_path, capsys, drill):
+    """The eval stage records report.json and sts.json, the train stage final/checksums.json: an STS edited by hand
+    is not exported, a report rewritten by another eval is not printed as the run's, and deleting checksums.json
+    does not turn the draft's verification off."""
+    for damaged, stages in [("eval/sts.json", "export"), ("eval/report.json", "eval"),
+                            ("train/final/checksums.json", "export")]:
+        out = tmp_path / damaged.replace("/", "-")
+        shutil.copytree(evaluated, out, ignore=lambda d, names: [".draftsmith.lock"] if d == str(evaluated) else [])
+        shutil.rmtree(out / "export")
+        if damaged.endswith("checksums.json"):
+            (out / damaged).unlink()
+            _flip_byte(out / "train" / "final" / "model.safetensors")
+        else:
+            (out / damaged).write_text((out / damaged).read_text().replace("1", "2", 1))
+        assert main(with_stages(args_for(tiny_qwen3, prompt_file, out), stages) + EVAL_SETS) == 2
+        message = capsys.readouterr().err
+        assert str(out / damaged) in message and "refusing to read it" in message, message
+        assert not (out / "export" / "DONE.json").exists()
+        drill("corruption", f"{damaged} {'deleted' if damaged.endswith('checksums.json') else 'edited'} after its stage")

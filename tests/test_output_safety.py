@@ -207,3 +207,226 @@ def test_evals_write_a_folder_each_and_two_on_one_folder_refuse(tmp_path, capsys
         holder.wait(timeout=30)
     assert code == 2 and f"pid {holder.pid} on" in capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == [".draftsmith.lock"]
+
+
+# --- links: nothing is written through a symbolic link DraftSmith did not make ------------------------------------
+
+
+def victim_file(tmp_path, name="victim"):
+    """A file outside every folder a run writes, and what it must still hold afterwards."""
+    path = tmp_path / "outside" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(b"the user's bytes\n")
+    return path
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_keeps_its_bytes(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    import core.io
+    from core.io import LinkedPathError
+
+    victim = victim_file(tmp_path)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".draftsmith.lock").symlink_to(victim)
+    with pytest.raises(LinkedPathError, match="draftsmith.lock is a symbolic link"):
+        lock_for_process(tmp_path / "run" / ".draftsmith.lock", "--out run")
+    assert victim.read_bytes() == b"the user's bytes\n"  # it used to be truncated and overwritten with our pid
+    # the pid-file lock (no flock): a planted link is refused, and what it points to is never printed
+    monkeypatch.setattr(fcntl, "flock", lambda fd, op: (_ for _ in ()).throw(OSError(errno.ENOLCK, "no locks")))
+    monkeypatch.setattr(core.io, "_HELD", {})
+    secret = victim_file(tmp_path, "id_rsa")
+    secret.write_text("-----BEGIN PRIVATE KEY-----\n")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / ".draftsmith.lock.pid").symlink_to(secret)
+    with pytest.raises(LinkedPathError) as refused:
+        lock_for_process(tmp_path / "other" / ".draftsmith.lock", "--out other")
+    assert "PRIVATE KEY" not in str(refused.value) and ".draftsmith.lock.pid is a symbolic link" in str(refused.value)
+    # a live holder's pid file is read back at most a few hundred bytes
+    (tmp_path / "third").mkdir()
+    (tmp_path / "third" / ".draftsmith.lock.pid").write_text(f"pid 1 on {__import__('socket').gethostname()}"
+                                                            + " padding" * 1000)
+    with pytest.raises(core.io.LockedError) as held:
+        lock_for_process(tmp_path / "third" / ".draftsmith.lock", "--out third")
+    assert len(str(held.value)) < 700
+
+
+def test_writers_replace_a_link_at_the_final_or_scratch_path_never_writing_through_it(tmp_path):
+    from core.io import atomic_write_bytes, atomic_write_text, open_append, open_new, publish_dir, LinkedPathError
+    from eval.run import plot_acceptance
+
+    out = tmp_path / "out"
+    out.mkdir()
+    victims = {name: victim_file(tmp_path, name) for name in ("final", "scratch", "new", "plot", "folder", "log")}
+    for name, path in {"report.json": "final", "index.bin.tmp": "scratch", "shard.bin.tmp": "new",
+                       "accept_rate.png": "plot", "final": "folder", "metrics.jsonl": "log"}.items():
+        (out / name).symlink_to(victims[path])
+    atomic_write_text(out / "report.json", "{}\n")
+    atomic_write_bytes(out / "index.bin", b"index", tmp_path=out / "index.bin.tmp")  # the cache's fixed scratch name
+    with open_new(out / "shard.bin.tmp") as handle:
+        handle.write(b"shard")
+    plot_acceptance({"accept_rate_at_k": [0.5, 0.25], "cond_accept_rate_at_k": [0.5, 0.5], "dataset": "mtbench",
+                     "accept_len": 1.5, "temperature": 0.0}, out / "accept_rate.png")
+    with publish_dir(out / "final") as tmp:
+        (tmp / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(LinkedPathError, match="metrics.jsonl is a symbolic link"):
+        open_append(out / "metrics.jsonl")
+    assert {name: path.read_bytes() for name, path in victims.items()} == \
+        {name: b"the user's bytes\n" for name in victims}
+    assert [name for name in ("report.json", "index.bin", "shard.bin.tmp", "accept_rate.png", "final")
+            if (out / name).is_symlink()] == []
+    assert (out / "final" / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_below_a_root_a_folder_that_is_a_link_is_refused(tmp_path):
+    from core.io import LinkedPathError, atomic_write_text, fresh_dir, make_dir, own_root
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "user.txt").write_text("mine\n")
+    run = own_root(tmp_path / "run")
+    (run / "train" / "checkpoints").mkdir(parents=True)
+    (run / "train" / "checkpoints" / "step-0000001").symlink_to(elsewhere)
+    with pytest.raises(LinkedPathError, match="step-0000001 is a symbolic link"):
+        atomic_write_text(run / "train" / "checkpoints" / "step-0000001" / "draft" / "config.json", "{}")
+    with pytest.raises(LinkedPathError):
+        make_dir(run / "train" / "checkpoints" / "step-0000001" / "draft")
+    # a checkpoint folder is made fresh: a link standing there is removed, never written into
+    fresh_dir(run / "train" / "checkpoints" / "step-0000001")
+    assert not (run / "train" / "checkpoints" / "step-0000001").is_symlink()
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["user.txt"]
+    # the root itself may be a link (runs -> /scratch/runs: the user's own choice)
+    (tmp_path / "scratch").mkdir()
+    (tmp_path / "runs").symlink_to(tmp_path / "scratch")
+    linked_root = own_root(tmp_path / "runs" / "demo")
+    atomic_write_text(linked_root / "regen" / "DONE.json", "{}")
+    assert (tmp_path / "scratch" / "demo" / "regen" / "DONE.json").read_text() == "{}"
+    (tmp_path / "loose").symlink_to(victim_file(tmp_path))  # outside every root: named clearly all the same
+    with pytest.raises(NotADirectoryError, match="loose is a link to a file where DraftSmith makes a folder"):
+        make_dir(tmp_path / "loose")
+
+
+def test_a_stage_folder_is_ours_only_by_its_marker(tmp_path):
+    from core import stage
+    from core.io import LinkedPathError
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    (folder / "settings.json").write_text('{"theme": "dark"}\n')  # another application's
+    assert not stage.is_ours(folder)
+    with pytest.raises(stage.StageMismatchError):  # and never taken for a stage's pinned settings
+        stage.begin(folder, {"draft_sha256": "x"})
+    made = tmp_path / "run" / "eval"
+    stage.begin(made, {"draft_sha256": "x"})
+    assert stage.is_ours(made) and stage.pinned(made) == {"draft_sha256": "x"}
+    (tmp_path / "linked").symlink_to(made)
+    assert not stage.is_ours(tmp_path / "linked")
+    (made / "DONE.json").symlink_to(victim_file(tmp_path))
+    with pytest.raises(LinkedPathError, match="DONE.json is a symbolic link"):
+        stage.start(made, {"draft_sha256": "x"}, "eval")
+
+
+# Where a write call is allowed outside core/io.py: into the fresh folder or file one of its writers yields.
+FRESH_WRITERS = {"publish_dir", "atomic_open"}
+SOURCES = ("core", "data", "eval", "export", "modeling", "train", "pipeline.py", "eval.py")
+
+
+def write_calls(path) -> list[str]:
+    """The calls in `path` that write a file or folder (open for writing, os.open with a write flag, Path.write_text,
+    mkdir, torch.save, safetensors' save_file, savefig, save_pretrained, shutil's copies, renames, temp files) and are
+    not aimed at the folder or file a `with publish_dir(...) as tmp` / `with atomic_open(...) as handle` made."""
+    import ast
+
+    def name(call):
+        func = call.func
+        return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+
+    def on(call, module):
+        return isinstance(call.func, ast.Attribute) and getattr(call.func.value, "id", None) in module
+
+    def writes(call) -> bool:
+        what = name(call)
+        if what in ("open", "fdopen") and not on(call, ("os",)) or what == "fdopen":
+            mode = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "mode"),
+                                                                None)
+            if mode is None:
+                return what == "fdopen"
+            return not (isinstance(mode, ast.Constant) and not set(str(mode.value)) & set("wax+"))
+        if what == "open":  # os.open
+            return any(isinstance(n, ast.Attribute) and n.attr in ("O_WRONLY", "O_RDWR", "O_CREAT", "O_APPEND",
+                                                                    "O_TRUNC") for n in ast.walk(call))
+        if what in ("copy", "copy2", "copyfile", "copytree", "move"):
+            return on(call, ("shutil",))
+        if what in ("replace", "makedirs", "symlink", "link", "mkfifo"):
+            return on(call, ("os",))
+        if what == "save":
+            return on(call, ("torch", "np", "numpy"))
+        return what in ("write_text", "write_bytes", "touch", "mkdir", "symlink_to", "hardlink_to", "rename",
+                        "savefig", "save_pretrained", "save_file", "mkstemp", "mkdtemp", "NamedTemporaryFile")
+
+    found, fresh = [], []
+
+    class Finder(ast.NodeVisitor):
+        def visit_With(self, node):
+            names = [item.optional_vars.id for item in node.items if isinstance(item.context_expr, ast.Call)
+                     and name(item.context_expr) in FRESH_WRITERS and isinstance(item.optional_vars, ast.Name)]
+            fresh.extend(names)
+            self.generic_visit(node)
+            del fresh[len(fresh) - len(names):]
+
+        def visit_Call(self, node):
+            aimed = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & set(fresh)
+            if writes(node) and not aimed:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:100]}")
+            self.generic_visit(node)
+
+    Finder().visit(ast.parse(path.read_text()))
+    return found
+
+
+def test_only_core_io_opens_files_for_writing():
+    """Every file DraftSmith creates goes through core/io's writers (which never follow a link), or into the fresh
+    temporary folder or file one of them yields: a new `open(path, "w")` anywhere else fails here."""
+    files = [p for src in SOURCES for p in (sorted((ROOT / src).rglob("*.py")) if (ROOT / src).is_dir()
+                                           else [ROOT / src])]
+    assert len(files) > 50
+    found = [call for path in files if path.relative_to(ROOT).as_posix() != "core/io.py" for call in write_calls(path)]
+    assert found == []
+
+
+def test_the_writers_check_finds_a_planted_write(tmp_path, monkeypatch):
+    import test_output_safety
+
+    planted = tmp_path / "planted.py"
+    planted.write_text("from core.io import publish_dir\n"
+                       "def a(p):\n    with open(p / 'x', 'w') as f:\n        f.write('1')\n"
+                       "def b(p, t):\n    torch.save(t, p / 'y')\n    (p / 'z').write_text('2')\n    p.mkdir()\n"
+                       "def c(p):\n    with publish_dir(p) as tmp:\n        (tmp / 'ok').write_text('fine')\n"
+                       "    with open(p, 'rb') as f:\n        f.read()\n")
+    monkeypatch.setattr(test_output_safety, "ROOT", tmp_path)
+    assert [line.split(": ", 1)[0] for line in write_calls(planted)] == ["planted.py:3", "planted.py:6",
+                                                                        "planted.py:7", "planted.py:8"]
+
+
+def test_eval_py_refuses_a_runs_own_stage_folder_as_its_out(tmp_path, capsys, drill):
+    """`eval.py --out RUN/eval` used to overwrite the run's report and sts.json; the run's next call then printed the
+    other eval's tau as its own and exported its calibration."""
+    import importlib.util
+
+    from core import stage
+
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    run = tmp_path / "run"
+    stage.begin(run / "eval", {"draft_sha256": "x"})  # the eval stage's folder, as the pipeline makes it
+    (run / "recipe.yaml").write_text("name: demo\n")
+    for out in (run / "eval", run / "train"):  # marked, or named like a stage beside the run's recipe
+        drill("bad-input", f"eval.py --out RUN/{out.name}")
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["--draft", "ngram", "--target", "smollm2-135m-instruct", "--dataset", "mtbench", "--out",
+                      str(out)])
+        assert refused.value.code == 2 and f"--out {out} is the {out.name} stage folder" in capsys.readouterr().err
+    assert sorted(p.name for p in (run / "eval").iterdir()) == [".draftsmith-stage", "settings.json"]
+    assert not (run / "train").exists()

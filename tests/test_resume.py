@@ -17,6 +17,7 @@ import train.checkpoint as checkpoint
 import train.trainer as trainer
 from conftest import ROOT
 from core.dist import Dist
+from core.io import write_checksums
 
 
 def make_checkpoints(root: Path, steps, latest=None):
@@ -80,6 +81,9 @@ def test_checkpoint_files_load_without_running_code(tmp_path, drill):
     torch.save({"optimizer": optimizer.state_dict()}, ckpt / "optimizer.pt")
     fresh = torch.nn.Linear(2, 2)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
+    with pytest.raises(ValueError, match="checksums.json is missing"):  # every checkpoint the trainer saves has one
+        checkpoint.load_checkpoint(engine, fresh, fresh_opt, ckpt)
+    write_checksums(ckpt)
     state = checkpoint.load_checkpoint(engine, fresh, fresh_opt, ckpt)
     assert state["step"] == 2 and torch.equal(fresh.weight, module.weight)
     assert fresh_opt.state_dict()["state"][0]["step"] == 1
@@ -87,11 +91,13 @@ def test_checkpoint_files_load_without_running_code(tmp_path, drill):
     for name in ("trainer_state.pt", "optimizer.pt"):
         good = (ckpt / name).read_bytes()
         torch.save({"step": 2, "model": module.state_dict(), "optimizer": Payload(marker)}, ckpt / name)
+        write_checksums(ckpt)  # checksums that match: the crafted file itself must be refused
         with pytest.raises(ValueError, match="could run code") as err:
             checkpoint.load_checkpoint(engine, fresh, fresh_opt, ckpt)
         assert str(ckpt / name) in str(err.value)
         assert not marker.exists()
         (ckpt / name).write_bytes(good[: len(good) // 2])  # cut short (a full disk, a copy that stopped)
+        write_checksums(ckpt)
         with pytest.raises(ValueError, match="truncated or corrupt") as err:
             checkpoint.load_checkpoint(engine, fresh, fresh_opt, ckpt)
         assert str(ckpt / name) in str(err.value)

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from core.dist import Dist, fault_point
-from core.io import atomic_write_text, require_free_space, sync_tree, verify_checksums, write_checksums, write_failure
+from core.io import (atomic_open, atomic_write_text, fresh_dir, require_free_space, sync_tree, verify_checksums,
+                     write_checksums, write_failure)
 from modeling.registry import read_draft_weights
 from train.ema import averaged_weights
 
@@ -70,21 +71,21 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
     path = checkpoint_dir(ckpt_root, step)
     if dist.is_main:
         require_free_space(ckpt_root, checkpoint_bytes(module, average is not None), f"checkpoint {path.name}")
-        path.mkdir(parents=True, exist_ok=True)
+        fresh_dir(path)  # what a killed save left half written there goes first (DeepSpeed writes into it)
     dist.barrier()
     frozen = frozen_names(module)
     try:
         if engine.kind == "deepspeed":
             engine.module.save_checkpoint(str(path), tag="zero", exclude_frozen_parameters=True)
         elif dist.is_main:
-            torch.save({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
+            save_tensors({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
         if dist.is_main:
             module.save_draft(path / "draft")
             fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last
             trained = {name: value for name, value in module.state_dict().items() if name not in frozen}
-            torch.save({"step": step, "model": trained, **extra}, path / "trainer_state.pt")
+            save_tensors({"step": step, "model": trained, **extra}, path / "trainer_state.pt")
             if average is not None:
-                torch.save(average, path / AVERAGE_NAME)
+                save_tensors(average, path / AVERAGE_NAME)
     except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError ('iostream error')
         raise write_failure(path, err) from err
     dist.barrier()
@@ -96,6 +97,12 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
         atomic_write_text(ckpt_root / "latest", path.name + "\n")
     dist.barrier()
     return path
+
+
+def save_tensors(obj, path: Path) -> None:
+    """torch.save of what load_tensors reads back, through core/io's atomic writer."""
+    with atomic_open(path) as handle:
+        torch.save(obj, handle)
 
 
 def prune_checkpoints(ckpt_root: Path, keep: int) -> list[Path]:
@@ -164,7 +171,7 @@ def published_weights(path: Path) -> dict:
 
 def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
     try:
-        verify_checksums(path)
+        verify_checksums(path, required=True)  # save_checkpoint always writes one
     except ValueError as err:
         raise ValueError(f"{err}: refusing to resume from it. Delete {path} and write the name of an older "
                          f"checkpoint into the checkpoints' `latest` file, or delete the checkpoints to train from "

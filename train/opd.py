@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 
 from core import stage
 from core.dist import Dist
-from core.io import publish_dir
+from core.io import CHECKSUMS_NAME, publish_dir
 from modeling.registry import draft_digest, load_draft_model
 from train.rollout import answer_span, draft_matches, replay_rounds
 from train.trainer import TrainJob, run_train
@@ -151,7 +151,7 @@ def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_t
     if dist.is_main:
         with publish_dir(out_dir / "final") as tmp:
             shutil.copytree(draft_dir, tmp, dirs_exist_ok=True)
-        stage.mark_done(out_dir, stats)
+        stage.mark_done(out_dir, stats, outputs=[f"final/{CHECKSUMS_NAME}"])  # its deletion is refused too
         print("[opd] done: rollout tau " + " -> ".join(f"{h['rollout_tau']:.3f}" for h in history
                                                        if h["rollout_tau"] is not None) + acceptance, flush=True)
     dist.barrier()

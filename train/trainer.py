@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from core import stage
-from core.io import atomic_write_text, publish_dir, write_checksums
+from core.io import CHECKSUMS_NAME, atomic_write_text, make_dir, open_append, publish_dir, write_checksums
 from data.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
 from modeling.draft_folder import WEIGHTS_NAME
@@ -219,7 +219,7 @@ class Logger:
             atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        self.tb = SummaryWriter(str(make_dir(out_dir / "tensorboard")))  # its event files get unique names
         if recipe.train.wandb_project:
             import wandb
 
@@ -230,7 +230,7 @@ class Logger:
     def log(self, step: int, metrics: dict, to_dashboards: bool) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as handle:
+        with open_append(self.path) as handle:
             handle.write(json.dumps({"step": step, **metrics}) + "\n")
         if not to_dashboards:
             return
@@ -465,7 +465,7 @@ def finish(job: TrainJob, ckpt_root: Path, first: dict | None, last: dict) -> di
             if train.ema_decay > 0:
                 save_file(published_weights(final), str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
             write_checksums(tmp)  # eval and export refuse a damaged file by name (read_draft_weights)
-        stage.mark_done(job.out_dir, stats)
+        stage.mark_done(job.out_dir, stats, outputs=[f"final/{CHECKSUMS_NAME}"])  # its deletion is refused too
         tau = "tau" in (first or {}) and "tau" in last
         loss = f"loss {first['loss']:.4f} -> {last['loss']:.4f}" if first and last else "no step metrics kept"
         print(f"[train] done: {loss}"
