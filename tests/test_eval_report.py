@@ -1,6 +1,7 @@
 """eval.py end to end on the tiny Qwen3: report files and keys, exact match at T=0, the DSpark calibration and
 scheduler outputs in SGLang's file formats, and the n-gram baseline in the same harness."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -78,6 +79,31 @@ def test_eval_writes_the_report_and_is_exact(random_dspark, tiny_qwen3, prompt_f
     sps = json.loads((tmp_path / "sps_table.json").read_text())
     assert set(sps) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
     assert {row["policy"] for row in report["scheduler"]["rows"]} >= {"scheduler", "fixed_gamma=3"}
+
+
+def test_eval_too_short_to_calibrate_still_writes_its_report(random_dspark, tiny_qwen3, prompt_file, tmp_path,
+                                                             capsys, drill):
+    """One prompt, one token: one round, too few to fit STS on some rounds and measure it on others. The report is
+    written anyway (it used to end in "need at least 2 rounds to split" after decoding, with nothing written), saying
+    what was skipped and why."""
+    drill("bad-input", "eval.py --num-samples 1 --max-new-tokens 1 of a DSpark draft with a confidence head")
+    out = tmp_path / "eval"
+    assert eval_cli().main(["--draft", str(random_dspark), "--target", str(tiny_qwen3), "--dataset", str(prompt_file),
+                            "--num-samples", "1", "--max-new-tokens", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_rounds"] == 1 and report["exact_match"] == 1.0
+    assert "calibration" not in report and "scheduler" not in report and not (out / "sts.json").exists()
+    assert "1 round, too few" in report["calibration_skipped"] and "--max-new-tokens" in report["calibration_skipped"]
+    assert "## Calibration and scheduler simulation: skipped" in (out / "report.md").read_text()
+    assert "calibration and scheduler simulation skipped" in capsys.readouterr().out
+
+
+def eval_cli():
+    """eval.py as a module (it is a script beside the eval package)."""
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
 
 
 def test_confidence_schedule_run_is_exact_and_reports_what_it_verified(random_dspark, tiny_qwen3, prompt_file,
