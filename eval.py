@@ -138,9 +138,9 @@ def main(argv=None) -> int:
                         help="draft over the whole vocabulary although the draft folder has a token map (the tokens "
                              "it was trained over, token_map.pt), as SGLang and vLLM serve it; --live always does")
     parser.add_argument("--lookup-first", type=int, default=0, metavar="N",
-                        help="propose prompt lookup's continuation whenever the context's last N (or more) tokens "
-                             "occurred before, the draft's otherwise (a copy path measured here; no serving engine "
-                             "runs it). 0 = off (default)")
+                        help=f"propose prompt lookup's continuation whenever the context's last N (or more, up to "
+                             f"{LOOKUP_MAX_N}) tokens occurred before, the draft's otherwise (a copy path measured "
+                             f"here; no serving engine runs it). 0 = off (default)")
     live = parser.add_argument_group("live serving check (--live)")
     live.add_argument("--live", action="store_true", help="serve the draft in --engine and compare with offline tau")
     live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")

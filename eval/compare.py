@@ -9,7 +9,8 @@ prompts. A curve point of quality.py is a tally with its `replayed_tau`.
 
     rows = source_rows(draft, ngram, [record_source(i) for i in ids], oracle=chooser)  # -> source_table(rows)
 
-Two eval reports of the same prompts (eval.py --out A, --out B; e.g. two recipes' drafts), the first over the second:
+Two eval reports of the same prompts (eval.py --out A, --out B; e.g. two recipes' drafts), the first over the second,
+made with the same target, temperature, token limit and gamma (PAIRED_SETTINGS; others are refused):
 
     python -m eval.compare runs/eval-a runs/eval-b
 """
