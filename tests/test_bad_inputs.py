@@ -2,11 +2,9 @@
 never. Each is now refused by `train/main.py` (or `eval.py`) before anything is loaded or written, with exit code 2
 and a message that names the key, flag or file and what a valid value is."""
 
-import importlib.util
-
 import pytest
 
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, eval_cli, tiny_overrides
 from pipeline import main
 
 # (--set overrides, --stages, fragments the error must hold)
@@ -113,13 +111,6 @@ EVAL_CASES = [
     # used to fail after decoding every prompt (numpy's "expected non-negative integer" in the scheduler simulation)
     (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
 ]
-
-
-def eval_cli():
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
 
 
 @pytest.mark.parametrize("args,fragment", EVAL_CASES, ids=[" ".join(c[0]) for c in EVAL_CASES])

@@ -1,7 +1,6 @@
 """eval.py end to end on the tiny Qwen3: report files and keys, exact match at T=0, the DSpark calibration and
 scheduler outputs in SGLang's file formats, and the n-gram baseline in the same harness."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, eval_cli
 from eval.run import EvalSettings, ScheduleError, acceptance_metrics, round_timing, run_eval
 from eval.spec_decode import RoundRecord
 from export.serving import save_sts
@@ -96,14 +95,6 @@ def test_eval_too_short_to_calibrate_still_writes_its_report(random_dspark, tiny
     assert "1 round, too few" in report["calibration_skipped"] and "--max-new-tokens" in report["calibration_skipped"]
     assert "## Calibration and scheduler simulation: skipped" in (out / "report.md").read_text()
     assert "calibration and scheduler simulation skipped" in capsys.readouterr().out
-
-
-def eval_cli():
-    """eval.py as a module (it is a script beside the eval package)."""
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli
 
 
 def test_confidence_schedule_run_is_exact_and_reports_what_it_verified(random_dspark, tiny_qwen3, prompt_file,
