@@ -25,8 +25,8 @@ from core.io import LinkedPathError, LockedError, link_problem, lock_for_process
 from core.malloc import keep_freed_memory  # noqa: E402
 from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
 from data.sources import source_problem  # noqa: E402
-from eval import SCHEDULES  # noqa: E402
-from modeling.draft_folder import is_draft_dir  # noqa: E402
+from eval import LOOKUP_MAX_N, SCHEDULES  # noqa: E402
+from modeling.draft_folder import is_draft_dir, max_drafts  # noqa: E402
 
 # eval/, modeling/ (torch, transformers: ~12 s to import on a small machine) are imported where they run, so that
 # --help and a bad argument answer at once.
@@ -82,9 +82,20 @@ def argument_problems(args) -> list[str]:
                  ("--block-size", args.block_size)) if value is not None and value <= 0]
     if not args.temperature >= 0:  # nan too
         problems.append(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.seed < 2**32:  # numpy's range: the scheduler simulation seeds with it
+        problems.append(f"--seed must be in [0, 2**32), got {args.seed}")
+    if not 0 <= args.lookup_first <= LOOKUP_MAX_N:
+        problems.append(f"--lookup-first must be in 0..{LOOKUP_MAX_N} (the shortest context suffix prompt lookup "
+                        f"must match, of the {LOOKUP_MAX_N} it tries; 0 = off), got {args.lookup_first}")
     if args.draft != "ngram" and not args.draft.startswith("lm:") and not is_draft_dir(args.draft):
         problems.append(f"--draft {args.draft}: not a draft folder (config.json + model.safetensors of a DSpark, "
                         f"DFlash or Eagle3 draft, e.g. runs/<recipe>/train/final), nor `ngram` or `lm:<model>`")
+    elif args.block_size and is_draft_dir(args.draft):
+        most = max_drafts(args.draft)  # a block draft predicts its block, no further (an Eagle3 chain has no limit)
+        if most is not None and args.block_size > most:
+            problems.append(f"--block-size {args.block_size}: {args.draft} is a block draft of {most} positions "
+                            f"(its config.json's block_size), so a round proposes at most {most} drafts; use "
+                            f"--block-size {most} or less")
     if args.sts is not None and args.schedule != "confidence":
         problems.append("--sts calibrates the confidence schedule: add --schedule confidence, or drop --sts")
     if args.schedule == "confidence" and (args.draft == "ngram" or args.draft.startswith("lm:") or args.live):
@@ -142,9 +153,9 @@ def main(argv=None) -> int:
                         help="draft over the whole vocabulary although the draft folder has a token map (the tokens "
                              "it was trained over, token_map.pt), as SGLang and vLLM serve it; --live always does")
     parser.add_argument("--lookup-first", type=int, default=0, metavar="N",
-                        help="propose prompt lookup's continuation whenever the context's last N (or more) tokens "
-                             "occurred before, the draft's otherwise (a copy path measured here; no serving engine "
-                             "runs it). 0 = off (default)")
+                        help=f"propose prompt lookup's continuation whenever the context's last N (or more, up to "
+                             f"{LOOKUP_MAX_N}) tokens occurred before, the draft's otherwise (a copy path measured "
+                             f"here; no serving engine runs it). 0 = off (default)")
     live = parser.add_argument_group("live serving check (--live)")
     live.add_argument("--live", action="store_true", help="serve the draft in --engine and compare with offline tau")
     live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")

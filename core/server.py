@@ -136,6 +136,17 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:]) or "(log is empty)"
 
 
+def hold_signals(held: list[int]) -> dict:
+    """Note SIGTERM and SIGINT in `held` instead of acting on them; returns the handlers replaced, to put back ({}
+    off the main thread, where Python handles no signal; a handler set outside Python is left alone)."""
+    previous: dict = {}
+    with contextlib.suppress(ValueError):  # not the main thread
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(signum) is not None:
+                previous[signum] = signal.signal(signum, lambda number, frame: held.append(number))
+    return previous
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -240,7 +251,13 @@ class LiveServer:
 
     def stop(self) -> None:
         """SIGTERM to the whole group, SIGKILL after stop_timeout; returns once no process of the group is left (or,
-        should it never empty, stop_timeout after the SIGKILL)."""
+        should it never empty, stop_timeout after the SIGKILL).
+
+        A SIGTERM or SIGINT arriving meanwhile (torchrun forwards one, `kill` sends another) is held until the stop
+        is done, then raised as KeyboardInterrupt, unless an exception (the first signal's) is on its way out
+        already: cut short, the stop would leave the server to the watchdog."""
+        held: list[int] = []
+        previous = hold_signals(held)
         try:
             if self.pgid is not None and group_alive(self.pgid):
                 with contextlib.suppress(ProcessLookupError):
@@ -260,10 +277,14 @@ class LiveServer:
             kill_tagged(self.tag, self.stop_timeout)
         finally:
             self._release_watchdog()
-            if self._old_sigterm is not None:
-                with contextlib.suppress(ValueError):
-                    signal.signal(signal.SIGTERM, self._old_sigterm)
+            if self._old_sigterm is not None:  # SIGTERM goes back to what it was before _trap_sigterm
+                previous[signal.SIGTERM] = self._old_sigterm
                 self._old_sigterm = None
+            with contextlib.suppress(ValueError):  # not the main thread
+                for signum, handler in previous.items():
+                    signal.signal(signum, handler)
+        if held and sys.exc_info()[1] is None:
+            raise KeyboardInterrupt(f"signal {held[0]} while the server was being stopped")
 
     def _release_watchdog(self) -> None:
         """Close its pipe: it finds nothing left to kill and exits; reaped here."""

@@ -37,6 +37,7 @@ import numpy as np
 
 DEFAULT_GRID = np.geomspace(0.05, 20.0, 61)  # ~10% steps in T; the local refinement goes finer
 REFINE_POINTS = 41
+MIN_ROUNDS = 2  # calibrate_sts fits on some rounds and measures on others: one each at least
 
 
 # --- input helpers ------------------------------------------------------------------------------------------------
@@ -264,8 +265,8 @@ def split_rounds(num_rounds: int, holdout_fraction: float = 0.5, seed: int = 0) 
     gather their rounds.
     """
     n = int(num_rounds)
-    if n < 2:
-        raise ValueError(f"need at least 2 rounds to split, got {num_rounds}")
+    if n < MIN_ROUNDS:
+        raise ValueError(f"need at least {MIN_ROUNDS} rounds to split, got {num_rounds}")
     if not 0.0 < holdout_fraction < 1.0:
         raise ValueError(f"holdout_fraction must be in (0, 1), got {holdout_fraction}")
     n_eval = min(max(int(round(holdout_fraction * n)), 1), n - 1)

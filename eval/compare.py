@@ -9,7 +9,8 @@ prompts. A curve point of quality.py is a tally with its `replayed_tau`.
 
     rows = source_rows(draft, ngram, [record_source(i) for i in ids], oracle=chooser)  # -> source_table(rows)
 
-Two eval reports of the same prompts (eval.py --out A, --out B; e.g. two recipes' drafts), the first over the second:
+Two eval reports of the same prompts (eval.py --out A, --out B; e.g. two recipes' drafts), the first over the second,
+made with the same target, temperature, token limit and gamma (PAIRED_SETTINGS; others are refused):
 
     python -m eval.compare runs/eval-a runs/eval-b
 """
@@ -119,11 +120,52 @@ def source_table(rows: list[dict], other: str = "n-gram") -> list[str]:
     return lines
 
 
-def _samples(folder: Path) -> list[dict]:
+#: what a report's tau depends on besides the drafter and the prompts: a pair differing in one compares the settings,
+#: not the drafters (a longer answer or another temperature moves tau; so does gamma, its ceiling)
+PAIRED_SETTINGS = {"target": "--target", "temperature": "--temperature", "max_new_tokens": "--max-new-tokens",
+                   "block_size": "--block-size"}
+
+
+class CompareError(ValueError):
+    """Two reports that cannot be paired, or a file that is not an eval report (main answers with exit code 2)."""
+
+
+def read_report(folder: Path) -> dict:
+    """An eval report (eval.py's --out folder or its report.json) whose samples carry what a paired comparison
+    reads; CompareError naming the file otherwise."""
     path = folder / "report.json" if folder.is_dir() else folder
     if not path.is_file():
-        raise SystemExit(f"error: no eval report at {path} (eval.py --out FOLDER writes FOLDER/report.json)")
-    return json.loads(path.read_text())["samples"]
+        raise CompareError(f"no eval report at {path} (eval.py --out FOLDER writes FOLDER/report.json)")
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CompareError(f"{path} is not an eval report (unreadable JSON: {err})") from None
+    if not isinstance(report, dict) or any(key not in report for key in PAIRED_SETTINGS):
+        raise CompareError(f"{path} is not an eval report (it lacks some of {', '.join(PAIRED_SETTINGS)}); "
+                           f"rerun eval.py")
+    samples = report.get("samples")
+    if not isinstance(samples, list) or not samples:
+        raise CompareError(f"{path} holds no samples to pair (an eval report lists one per prompt under "
+                           f"'samples'); rerun eval.py")
+    for i, sample in enumerate(samples):
+        if not (isinstance(sample, dict) and isinstance(sample.get("id"), str)
+                and isinstance(sample.get("source"), str)
+                and all(type(sample.get(key)) is int and sample[key] > 0 for key in ("round_tokens", "rounds"))):
+            raise CompareError(f"{path}: samples[{i}] lacks its prompt id, source or round counts (round_tokens, "
+                               f"rounds > 0; reports written before eval.py kept them have none): rerun eval.py")
+    return report
+
+
+def unpaired_setting(first: dict, second: dict, names: tuple[Path, Path]) -> str | None:
+    """What makes two reports' taus incomparable prompt by prompt, naming both files and values; None if nothing."""
+    if [s["id"] for s in first["samples"]] != [s["id"] for s in second["samples"]]:
+        return (f"{names[0]} and {names[1]} ran other prompts (or another order): nothing to pair; run both with the "
+                f"same --dataset and --num-samples")
+    for key, flag in PAIRED_SETTINGS.items():
+        if first[key] != second[key]:
+            return (f"{names[0]} has {key} {first[key]!r} and {names[1]} {second[key]!r}: tau depends on it, so the "
+                    f"pair would compare the settings, not the drafters; rerun one with the other's {flag}")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,17 +174,24 @@ def main(argv: list[str] | None = None) -> int:
         "first over the second with a paired 90%% bootstrap interval, per source, copy-heavy / rest and overall.")
     parser.add_argument("first", type=Path, help="eval.py's --out folder (or its report.json), run with "
                         "--ngram-baseline: its n-gram run names the copy-heavy prompts")
-    parser.add_argument("second", type=Path, help="the other eval's folder or report.json, on the same prompts")
+    parser.add_argument("second", type=Path, help="the other eval's folder or report.json, on the same prompts and "
+                        "settings (" + ", ".join(PAIRED_SETTINGS.values()) + ")")
     args = parser.parse_args(argv)
-    first, second = _samples(args.first), _samples(args.second)
-    if [s["id"] for s in first] != [s["id"] for s in second]:
-        raise SystemExit(f"error: {args.first} and {args.second} ran other prompts (or another order): nothing to "
-                         "pair; run both with the same --dataset and --num-samples")
-    lookup = (args.first if args.first.is_dir() else args.first.parent) / "ngram"
-    if not (lookup / "report.json").is_file():
-        raise SystemExit(f"error: no n-gram run at {lookup}: rerun the first eval with --ngram-baseline (it names "
-                         "the copy-heavy prompts)")
-    rows = source_rows(tally(first), tally(second), [s["source"] for s in first], lookup=tally(_samples(lookup)))
+    try:
+        first, second = read_report(args.first), read_report(args.second)
+        lookup_dir = (args.first if args.first.is_dir() else args.first.parent) / "ngram"
+        if not (lookup_dir / "report.json").is_file():
+            raise CompareError(f"no n-gram run at {lookup_dir}: rerun the first eval with --ngram-baseline (it names "
+                               "the copy-heavy prompts)")
+        lookup = read_report(lookup_dir)
+        problem = (unpaired_setting(first, second, (args.first, args.second))
+                   or unpaired_setting(first, lookup, (args.first, lookup_dir)))
+        if problem:
+            raise CompareError(problem)
+    except CompareError as err:
+        parser.error(str(err))  # exit code 2
+    rows = source_rows(tally(first["samples"]), tally(second["samples"]), [s["source"] for s in first["samples"]],
+                       lookup=tally(lookup["samples"]))
     print(f"{args.first} against {args.second}:\n")
     print("\n".join(source_table(rows, other=args.second.name)))
     return 0

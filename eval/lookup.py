@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from eval import LOOKUP_MAX_N
 from eval.spec_decode import Drafter, Proposal
 
 
@@ -19,7 +20,7 @@ class NgramDrafter(Drafter):
     """Prompt lookup: find the most recent earlier occurrence of the last n tokens (n = max_n..min_n) in the
     sequence and propose what followed it. One-hot proposals (probs None)."""
 
-    def __init__(self, max_n: int = 3, min_n: int = 1, gamma: int = 4):
+    def __init__(self, max_n: int = LOOKUP_MAX_N, min_n: int = 1, gamma: int = 4):
         self.max_n, self.min_n, self.default_gamma = max_n, min_n, gamma
 
     def propose(self, gamma, temperature, generator):
@@ -41,7 +42,7 @@ class LookupFirstDrafter(Drafter):
     target's own. No serving engine runs this rule (SGLang and vLLM serve one drafting method per server): it is
     measured (eval.py --lookup-first), never a serving default. Both drafters see every verified token and state."""
 
-    def __init__(self, drafter: Drafter, min_n: int = 2, max_n: int = 3):
+    def __init__(self, drafter: Drafter, min_n: int = 2, max_n: int = LOOKUP_MAX_N):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"lookup-first needs 1 <= min_n <= max_n, got min_n {min_n}, max_n {max_n}")
         self.drafter, self.lookup = drafter, NgramDrafter(max_n, min_n, drafter.default_gamma)
@@ -74,18 +75,19 @@ def lookup_first_matches(draft: torch.Tensor, lookup: torch.Tensor, order: torch
     return torch.where((order >= min_n)[:, None], lookup, draft)
 
 
-def lookup_hits(input_ids: torch.Tensor, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
+def lookup_hits(input_ids: torch.Tensor, max_n: int = LOOKUP_MAX_N, min_n: int = 1) -> torch.Tensor:
     """[B, S] bool: position a is True when prompt lookup over input_ids[: a + 1] proposes input_ids[a + 1] first."""
     return torch.stack([lookup_matches(ids, 1, max_n, min_n)[:, 0] for ids in input_ids.tolist()])
 
 
-def lookup_matches(ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> torch.Tensor:
+def lookup_matches(ids: list[int], gamma: int, max_n: int = LOOKUP_MAX_N, min_n: int = 1) -> torch.Tensor:
     """[S, gamma] bool, draft_matches for prompt lookup: entry [a, j-1] says whether the n-gram drafter, run over
     ids[: a + 1], proposes ids[a + j] as its draft j (False past its proposal or the sequence)."""
     return lookup_proposals(ids, gamma, max_n, min_n)[0]
 
 
-def lookup_proposals(ids: list[int], gamma: int, max_n: int = 3, min_n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def lookup_proposals(ids: list[int], gamma: int, max_n: int = LOOKUP_MAX_N,
+                     min_n: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(lookup_matches [S, gamma], order [S] int: the length n of the context suffix lookup matched at each
     position, 0 where it proposes nothing).
 

@@ -37,7 +37,7 @@ from data.chat import build_messages, render_prompt_ids
 from data.prompts import eval_prompts
 from eval import SCHEDULES
 from eval.compare import record_source, source_rows, source_table, tally
-from eval.calibration import calibrate_sts, calibration_report, logits_from_probs, prefix_labels
+from eval.calibration import MIN_ROUNDS, calibrate_sts, calibration_report, logits_from_probs, prefix_labels
 from eval.scheduler import VerifySchedule, format_table, profile_sps, simulate
 from eval.lookup import LookupFirstDrafter, NgramDrafter
 from eval.spec_decode import (DraftLMDrafter, GenerationResult, is_greedy, load_draft, speculative_generate, sync_clock,
@@ -261,9 +261,15 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
         report["vs_ngram"] = vs_ngram(samples, ngram["samples"], s.temperature)
     # Calibration reads every position's confidences: a scheduled run verified only the drafts it was confident in.
     if rounds and rounds[0].confidences is not None and schedule is None and not s.lookup_first:
-        report["calibration"] = _calibrate(rounds, gamma, out_dir, s.dataset)
-        if s.scheduler:
-            report["scheduler"] = _schedule(target, drafter.layer_ids, rounds, gamma, out_dir, s.seed)
+        if len(rounds) < MIN_ROUNDS:  # a short eval still gets its report, with what it could not measure
+            report["calibration_skipped"] = (
+                f"{len(rounds)} round, too few: STS fits on one part of the rounds and measures on the other (at "
+                f"least {MIN_ROUNDS}), and the scheduler simulation replays them; evaluate more prompts or tokens "
+                f"(--num-samples, --max-new-tokens)")
+        else:
+            report["calibration"] = _calibrate(rounds, gamma, out_dir, s.dataset)
+            if s.scheduler:
+                report["scheduler"] = _schedule(target, drafter.layer_ids, rounds, gamma, out_dir, s.seed)
     atomic_write_json(out_dir / "report.json", report)
     atomic_write_text(out_dir / "report.md", report_markdown(report))
     plot_acceptance(report, out_dir / "accept_rate.png")
@@ -435,6 +441,8 @@ def report_markdown(report: dict) -> str:
                   "| AUROC | " + " | ".join(_fmt(v) for v in cal["before"]["auroc"]) + " |",
                   "| Brier | " + " | ".join(_fmt(v) for v in cal["before"]["brier"]) + " |",
                   "| STS temperature | " + " | ".join(_fmt(v) for v in cal["sts_temperatures"]) + " |"]
+    if "calibration_skipped" in report:
+        lines += ["", "## Calibration and scheduler simulation: skipped", "", report["calibration_skipped"]]
     if "scheduler" in report:
         lines += ["", "## Confidence scheduler vs fixed gamma (Theta = tau x SPS(B))", "", report["scheduler"]["table"]]
     return "\n".join(lines) + "\n"
@@ -491,3 +499,5 @@ def print_summary(report: dict) -> None:
           + (f"; a round: draft {t['draft_ms']:.1f} + verify {t['verify_ms']:.1f} + other {t['other_ms']:.1f} ms, "
              f"{t['loop_efficiency']:.0%} of this tau's limit {t['tau_limit_speedup']:.2f}x"
              if (t := report.get("timing")) else ""), flush=True)
+    if "calibration_skipped" in report:
+        print(f"[eval] calibration and scheduler simulation skipped: {report['calibration_skipped']}", flush=True)

@@ -43,3 +43,10 @@ def is_draft_dir(path) -> bool:
     except (ValueError, json.JSONDecodeError):
         return False
     return True
+
+
+def max_drafts(draft_dir) -> int | None:
+    """The most drafts a round of the draft in `draft_dir` can propose: a block draft's (DSpark, DFlash) block_size,
+    the positions one forward predicts; None for an Eagle3 chain, which drafts as many steps as asked."""
+    config = read_config(draft_dir)
+    return int(config["block_size"]) if architecture_name(config) == "Qwen3DSparkModel" else None

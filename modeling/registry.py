@@ -14,6 +14,7 @@ detects or loads a draft goes through this file.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,10 +112,16 @@ def read_token_map(draft_dir, vocab_size: int) -> torch.Tensor | None:
     path = Path(draft_dir) / TOKEN_MAP_NAME
     if not path.is_file():
         return None
-    ids = torch.as_tensor(torch.load(path, weights_only=True)).long()
+    fix = "delete it to draft over the whole vocabulary, or train the draft again"
+    try:
+        ids = torch.as_tensor(torch.load(path, weights_only=True)).long()
+    except pickle.UnpicklingError as err:  # torch's own message names no file and suggests weights_only=False
+        raise ValueError(f"{path} holds more than a tensor of token ids, refused (unpickling it could run code); "
+                         f"{fix} ({str(err).splitlines()[0]})") from None
+    except (RuntimeError, EOFError, TypeError, ValueError) as err:  # cut short, not a torch file, not numbers
+        raise ValueError(f"{path} is unreadable as a token map ({str(err).splitlines()[0]}); {fix}") from None
     if ids.dim() != 1 or not len(ids) or ids.min() < 0 or ids.max() >= vocab_size or len(ids.unique()) != len(ids):
-        raise ValueError(f"{path}: expected a 1-D list of distinct target ids in [0, {vocab_size}); delete it to "
-                         "draft over the whole vocabulary")
+        raise ValueError(f"{path}: expected a 1-D list of distinct target ids in [0, {vocab_size}); {fix}")
     return ids.sort().values
 
 

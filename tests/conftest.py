@@ -113,6 +113,17 @@ def tree_digest(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+def eval_cli():
+    """eval.py as a module (a script beside the eval package, so not importable by name): its main and
+    argument_problems, called in-process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
 def run_cli(args, env_extra=None, torchrun=None, file_size_limit=None):
     """train/main.py in a subprocess. file_size_limit: RLIMIT_FSIZE in bytes, the disk-full drill (a write past it
     fails with EFBIG, as a full disk fails with ENOSPC: Python ignores SIGXFSZ)."""

@@ -2,11 +2,9 @@
 never. Each is now refused by `train/main.py` (or `eval.py`) before anything is loaded or written, with exit code 2
 and a message that names the key, flag or file and what a valid value is."""
 
-import importlib.util
-
 import pytest
 
-from conftest import ROOT, tiny_overrides
+from conftest import ROOT, eval_cli, tiny_overrides
 from pipeline import main
 
 # (--set overrides, --stages, fragments the error must hold)
@@ -110,15 +108,15 @@ EVAL_CASES = [
     (["--schedule", "confidence"], "--schedule confidence needs a DSpark draft folder"),
     (["--sts", "/nonexistent/sts.json"], "--sts calibrates the confidence schedule"),
     (["--schedule", "confidence", "--sts", "/nonexistent/sts.json"], "--sts /nonexistent/sts.json: [Errno 2]"),
+    # used to fail after decoding every prompt (numpy's "expected non-negative integer" in the scheduler simulation)
+    (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
 ]
 
 
 @pytest.mark.parametrize("args,fragment", EVAL_CASES, ids=[" ".join(c[0]) for c in EVAL_CASES])
 def test_eval_cli_refuses_bad_arguments_before_loading_anything(args, fragment, tmp_path, capsys, drill):
     drill("bad-input", "eval.py " + " ".join(args))
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = eval_cli()
     defaults = {"--draft": "ngram", "--target": "smollm2-135m-instruct", "--dataset": "mtbench"}
     argv = [arg for flag, value in defaults.items() if flag not in args for arg in (flag, value)]
     out = tmp_path / "eval"
@@ -127,3 +125,45 @@ def test_eval_cli_refuses_bad_arguments_before_loading_anything(args, fragment, 
     assert refused.value.code == 2
     assert fragment in capsys.readouterr().err
     assert not out.exists()
+
+
+# eval.py with a trained 7-position block draft: each used to fail only after the target loaded (--lookup-first: a
+# traceback from LookupFirstDrafter), or after decoding every prompt (--block-size 8: a round proposes 7 drafts, so
+# position 8's calibration had no rounds, "ece_before[7] nan")
+DRAFT_CASES = [
+    (["--block-size", "8"], "is a block draft of 7 positions (its config.json's block_size)"),
+    (["--lookup-first", "-1"], "--lookup-first must be in 0..3"),
+    (["--lookup-first", "4"], "--lookup-first must be in 0..3"),
+]
+
+
+@pytest.mark.parametrize("args,fragment", DRAFT_CASES, ids=[" ".join(c[0]) for c in DRAFT_CASES])
+def test_eval_cli_refuses_what_the_draft_cannot_do_before_loading_anything(args, fragment, tmp_path, capsys, drill):
+    from test_export import make_block_draft
+
+    drill("bad-input", "eval.py --draft <7-position block draft> " + " ".join(args))
+    draft = make_block_draft(tmp_path / "draft", markov_rank=4, confidence=True, gamma=7)
+    out = tmp_path / "eval"
+    with pytest.raises(SystemExit) as refused:
+        eval_cli().main(["--draft", str(draft), "--target", "smollm2-135m-instruct", "--dataset", "mtbench",
+                         "--out", str(out)] + args)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err, err
+    assert not out.exists()
+
+
+def test_eval_block_size_limit_is_the_block_drafts_own(tmp_path):
+    """--block-size up to the block draft's block_size passes, and an Eagle3 chain drafts as many steps as asked."""
+    from types import SimpleNamespace
+
+    from test_export import make_block_draft, make_eagle3_draft
+
+    cli = eval_cli()
+    block = make_block_draft(tmp_path / "block", markov_rank=0, gamma=7)
+    eagle3 = make_eagle3_draft(tmp_path / "eagle3")  # ttt_length 3
+    for draft, block_size in ((block, 7), (eagle3, 8)):
+        args = SimpleNamespace(num_samples=1, max_new_tokens=2, block_size=block_size, temperature=0.0, seed=0,
+                               lookup_first=0, draft=str(draft), sts=None, schedule="fixed", live=False,
+                               dataset="mtbench", dataset_path=None, target="smollm2-135m-instruct")
+        assert cli.argument_problems(args) == []

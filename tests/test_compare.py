@@ -132,16 +132,33 @@ def test_replay_records_reports_the_oracle_chooser(monkeypatch):
         assert oracle["replayed_tau"] >= max(report["accept_len"], lookup["accept_len"])
 
 
-def _report(folder, tallied: dict, ids=None):
-    """An eval.py report folder holding `tallied`'s records as samples (ids and sources as SOURCES)."""
+SETTINGS = {"target": "smollm2-135m-instruct", "temperature": 0.0, "max_new_tokens": 64, "block_size": 7}
+
+
+def _report(folder, tallied: dict, ids=None, **settings):
+    """An eval.py report folder holding `tallied`'s records as samples (ids and sources as SOURCES), made with
+    SETTINGS but for `settings`."""
     import json
 
     folder.mkdir(parents=True)
     ids = ids or [f"heldout:{s}:{i}" for i, s in enumerate(SOURCES)]
     samples = [{"id": pid, "source": s, "round_tokens": t, "rounds": r} for pid, s, t, r in
                zip(ids, SOURCES, tallied["per_record_tokens"], tallied["per_record_rounds"])]
-    (folder / "report.json").write_text(json.dumps({"samples": samples}))
+    (folder / "report.json").write_text(json.dumps({**SETTINGS, **settings, "samples": samples}))
     return folder
+
+
+def _refusal(capsys, *argv) -> str:
+    """`python -m eval.compare argv`'s refusal: exit code 2, and the message."""
+    from eval.compare import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main([str(a) for a in argv])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
 
 
 def test_two_eval_reports_compare_per_source_with_the_first_ones_lookup_naming_the_copy_heavy(tmp_path, capsys):
@@ -157,7 +174,51 @@ def test_two_eval_reports_compare_per_source_with_the_first_ones_lookup_naming_t
     assert "| tau | b tau | tau / b (90% paired bootstrap) |" in table
     assert "| copy-heavy (n-gram tau > 2.5) | 2 | 2.000 | 3.000 | 0.667" in table  # records 1 and 3: 60/30 vs 60/20
     assert "| mtbench | 2 | 1.500 | 1.750 | 0.857" in table
-    with pytest.raises(SystemExit, match="ran other prompts"):
-        main([str(first), str(_report(tmp_path / "c", DRAFT, ids=[f"x:{i}" for i in range(5)]))])
-    with pytest.raises(SystemExit, match="--ngram-baseline"):
-        main([str(second), str(first)])
+    other = _report(tmp_path / "c", DRAFT, ids=[f"x:{i}" for i in range(5)])
+    assert "ran other prompts" in _refusal(capsys, first, other)
+    assert "--ngram-baseline" in _refusal(capsys, second, first)
+
+
+@pytest.mark.parametrize("key,value,flag", [("temperature", 1.0, "--temperature"),
+                                            ("max_new_tokens", 256, "--max-new-tokens"),
+                                            ("block_size", 15, "--block-size"),
+                                            ("target", "HuggingFaceTB/SmolLM2-360M-Instruct", "--target")])
+def test_reports_of_other_settings_are_not_paired(tmp_path, capsys, drill, key, value, flag):
+    """Same prompts, another temperature, token limit, gamma or target: tau moves with each, so the ratio would
+    measure the setting, not the drafters. Refused naming both files, the setting, both values and the flag."""
+    drill("bad-input", f"eval.compare of reports with other {key}")
+    first = _report(tmp_path / "a", DRAFT)
+    _report(first / "ngram", NGRAM)
+    second = _report(tmp_path / "b", DRAFT, **{key: value})
+    err = _refusal(capsys, first, second)
+    assert f"{first} has {key} {SETTINGS[key]!r} and {second} {value!r}" in err and flag in err, err
+    # the first report's own n-gram run is checked too (a planted or stale one)
+    (first / "ngram" / "report.json").unlink()
+    (first / "ngram").rmdir()
+    _report(first / "ngram", NGRAM, **{key: value})
+    assert f"{first} has {key} {SETTINGS[key]!r} and {first / 'ngram'} {value!r}" in _refusal(capsys, first, first)
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("{not json", "is not an eval report (unreadable JSON"),
+    ("[1, 2]", "is not an eval report (it lacks some of target, temperature"),
+    ('{"samples": []}', "is not an eval report (it lacks some of"),
+    ({**SETTINGS, "samples": []}, "holds no samples to pair"),
+    ({**SETTINGS, "samples": {"a": 1}}, "holds no samples to pair"),
+    ({**SETTINGS, "samples": [{"id": "mtbench:1", "source": "mtbench", "accept_len": 2.0}]},
+     "samples[0] lacks its prompt id, source or round counts"),
+    ({**SETTINGS, "samples": [{"id": "mtbench:1", "source": "mtbench", "round_tokens": "9", "rounds": 3}]},
+     "samples[0] lacks"),
+], ids=["not-json", "a-list", "no-settings", "no-samples", "samples-not-a-list", "no-round-counts", "string-count"])
+def test_malformed_or_sample_less_report_is_refused_naming_the_file(tmp_path, capsys, drill, content, fragment):
+    import json
+
+    drill("bad-input", f"eval.compare of a malformed report.json ({fragment})")
+    first = _report(tmp_path / "a", DRAFT)
+    _report(first / "ngram", NGRAM)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "report.json").write_text(content if isinstance(content, str) else json.dumps(content))
+    for argv in ((first, bad), (bad, first)):
+        err = _refusal(capsys, *argv)
+        assert f"{bad / 'report.json'}" in err and fragment in err, err

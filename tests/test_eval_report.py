@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, eval_cli
 from eval.run import EvalSettings, ScheduleError, acceptance_metrics, round_timing, run_eval
 from eval.spec_decode import RoundRecord
 from export.serving import save_sts
@@ -78,6 +78,23 @@ def test_eval_writes_the_report_and_is_exact(random_dspark, tiny_qwen3, prompt_f
     sps = json.loads((tmp_path / "sps_table.json").read_text())
     assert set(sps) == {"sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens"}
     assert {row["policy"] for row in report["scheduler"]["rows"]} >= {"scheduler", "fixed_gamma=3"}
+
+
+def test_eval_too_short_to_calibrate_still_writes_its_report(random_dspark, tiny_qwen3, prompt_file, tmp_path,
+                                                             capsys, drill):
+    """One prompt, one token: one round, too few to fit STS on some rounds and measure it on others. The report is
+    written anyway (it used to end in "need at least 2 rounds to split" after decoding, with nothing written), saying
+    what was skipped and why."""
+    drill("bad-input", "eval.py --num-samples 1 --max-new-tokens 1 of a DSpark draft with a confidence head")
+    out = tmp_path / "eval"
+    assert eval_cli().main(["--draft", str(random_dspark), "--target", str(tiny_qwen3), "--dataset", str(prompt_file),
+                            "--num-samples", "1", "--max-new-tokens", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_rounds"] == 1 and report["exact_match"] == 1.0
+    assert "calibration" not in report and "scheduler" not in report and not (out / "sts.json").exists()
+    assert "1 round, too few" in report["calibration_skipped"] and "--max-new-tokens" in report["calibration_skipped"]
+    assert "## Calibration and scheduler simulation: skipped" in (out / "report.md").read_text()
+    assert "calibration and scheduler simulation skipped" in capsys.readouterr().out
 
 
 def test_confidence_schedule_run_is_exact_and_reports_what_it_verified(random_dspark, tiny_qwen3, prompt_file,

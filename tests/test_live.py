@@ -47,7 +47,7 @@ def fake_server(mode: str, tmp_path: Path, **kwargs) -> LiveServer:
                       log_path=tmp_path / f"{mode}.log", **kwargs)
 
 
-def start_holding_server(mode: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+def start_holding_server(mode: str, tmp_path: Path, stop_timeout: float = 30.0) -> tuple[subprocess.Popen, str]:
     """A python process holding a LiveServer (fake engine in `mode`) until it is signalled; returns it and the tag."""
     # SIGINT restored: a shell starts background jobs (`pytest ... &`) with it ignored, and children inherit that
     script = textwrap.dedent(f"""
@@ -57,7 +57,7 @@ def start_holding_server(mode: str, tmp_path: Path) -> tuple[subprocess.Popen, s
         from core.server import LiveServer, free_port
         port = free_port()
         with LiveServer([sys.executable, {str(FAKE_ENGINE)!r}, {mode!r}, str(port)], port=port,
-                        log_path={str(tmp_path / 'server.log')!r}) as server:
+                        log_path={str(tmp_path / 'server.log')!r}, stop_timeout={stop_timeout}) as server:
             print("TAG", server.tag, flush=True)
             time.sleep(600)
     """)
@@ -163,6 +163,45 @@ def test_interrupted_eval_stops_the_server(tmp_path, signum, drill):
     proc.wait(timeout=60)
     assert proc.returncode != 0  # interrupted, not a clean finish
     assert wait_gone(tag) == []
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_second_signal_while_stopping_does_not_cut_the_stop_short(tmp_path, second, drill):
+    """torchrun forwards a SIGTERM and `kill` sends another: the second arrives while the first's stop waits out a
+    server that ignores SIGTERM. The stop goes on (SIGKILL, the tree gone) and the process ends with the first
+    interrupt, not with a second one raised inside stop."""
+    drill("server", f"signal {int(second)} while the server is being stopped")
+    proc, tag = start_holding_server("stubborn", tmp_path, stop_timeout=5)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(1.5)  # inside stop's 5 s wait for the group to leave
+    proc.send_signal(second)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert tagged_processes(tag) == []  # by the time it exits, not later
+    assert "ignored SIGTERM for 5 s: SIGKILL" in out, err
+    assert err.count("Traceback") == 1 and "During handling" not in err and "in stop" not in err, err
+
+
+def test_signal_during_a_plain_stop_is_raised_once_the_server_is_gone(tmp_path):
+    """Nothing was on its way out: the held signal is raised after the stop, so the caller still hears of it."""
+    server = fake_server("stubborn", tmp_path, stop_timeout=2)
+    server.start()
+    server.wait_ready()  # ignoring SIGTERM by now: the stop takes its 2 s
+
+    usual = signal.getsignal(signal.SIGINT)
+
+    def interrupt_the_stop():  # Ctrl-C, once stop holds the signals (never, where it does not: no stray one)
+        deadline = time.monotonic() + 10
+        while signal.getsignal(signal.SIGINT) is usual and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if signal.getsignal(signal.SIGINT) is not usual:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_the_stop).start()
+    with pytest.raises(KeyboardInterrupt, match="while the server was being stopped"):
+        server.stop()
+    assert tagged_processes(server.tag) == [] and server.watchdog is None
+    assert signal.getsignal(signal.SIGINT) is usual
 
 
 def test_killed_eval_takes_its_server_along(tmp_path, drill):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -427,6 +428,36 @@ def test_eagle3_chain_matches_forward_train(target, temperature):
         tokens = tokens + prop.tokens[:accepted] + [40 + round_]
         aux = torch.cat([aux, rows])
         drafter.accept(accepted, 40 + round_, rows)
+
+
+class TouchOnUnpickle:
+    """Unpickling this runs code (touches a file): what a crafted token_map.pt would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_crafted_or_cut_token_map_is_refused_naming_it(target, tmp_path, drill):
+    """A token_map.pt that is not a plain tensor (a pickle that would run code) used to end in torch's own message,
+    which names no file and advises weights_only=False; a cut one in torch's zip error. Both are refused naming the
+    file and the fix, and the crafted one's code never runs."""
+    drill("corruption", "crafted / cut token_map.pt in a draft folder")
+    folder, marker = tmp_path / "dspark-vocab", tmp_path / "code-ran"
+    save_draft(with_draft_vocab(make_dspark(target)), folder)
+    token_map = folder / "token_map.pt"
+    good = token_map.read_bytes()
+    torch.save({"ids": torch.arange(10), "payload": TouchOnUnpickle(marker)}, token_map)
+    with pytest.raises(ValueError, match="could run code") as err:
+        load_draft(folder, target)
+    assert str(token_map) in str(err.value) and "delete it to draft over the whole vocabulary" in str(err.value)
+    assert "weights_only=False" not in str(err.value) and not marker.exists()
+    token_map.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match="unreadable as a token map") as err:
+        load_draft(folder, target)
+    assert str(token_map) in str(err.value)
 
 
 def test_ngram_lookup():
