@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, run_cli, tiny_overrides, tree_digest
+from conftest import ROOT, eval_cli, run_cli, tiny_overrides, tree_digest
 from core.io import is_temporary
 from core.recipe import load_recipe
 from data.capture import open_cache
@@ -419,11 +419,7 @@ def test_a_link_planted_where_a_run_writes_is_refused_or_replaced(evaluated, tin
             planted.check(code, capsys.readouterr().err, drill)
             runs += 1
     # eval.py: its report files (links replaced), its lock and its --out (refused)
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = eval_cli()
     eval_args = ["--draft", str(ref / "train" / "final"), "--target", str(tiny_qwen3), "--dataset", str(prompt_file),
                  "--num-samples", "1", "--max-new-tokens", "4", "--no-scheduler"]
     assert cli.main(eval_args + ["--out", str(tmp_path / "eval-ref")]) == 0

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, eval_cli
 from core.io import lock_for_process
 from export.main import main as export_main
 from test_export import make_block_draft
@@ -188,12 +188,8 @@ def test_the_run_lock_works_without_flock(tmp_path, monkeypatch, capsys):
 
 
 def test_evals_write_a_folder_each_and_two_on_one_folder_refuse(tmp_path, capsys, drill):
-    import importlib.util
-
     drill("two-runs", "two evals on one --out")
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = eval_cli()
     assert cli.default_out("runs/demo/train/final", "mtbench") == cli.default_out("runs/demo/train/final", "mtbench")
     assert cli.default_out("runs/a/train/final", "mtbench") != cli.default_out("runs/b/train/final", "mtbench")
     assert cli.default_out("ngram", "/data/x/prompts.jsonl").as_posix() == "runs/eval/ngram_prompts.jsonl"
@@ -412,13 +408,9 @@ def test_the_writers_check_finds_a_planted_write(tmp_path, monkeypatch):
 def test_eval_py_refuses_a_runs_own_stage_folder_as_its_out(tmp_path, capsys, drill):
     """`eval.py --out RUN/eval` used to overwrite the run's report and sts.json; the run's next call then printed the
     other eval's tau as its own and exported its calibration."""
-    import importlib.util
-
     from core import stage
 
-    spec = importlib.util.spec_from_file_location("eval_cli", ROOT / "eval.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = eval_cli()
     run = tmp_path / "run"
     stage.begin(run / "eval", {"draft_sha256": "x"})  # the eval stage's folder, as the pipeline makes it
     (run / "recipe.yaml").write_text("name: demo\n")
