@@ -116,8 +116,8 @@ def main(argv=None) -> int:
                    f"stages {','.join(stages)}, out {out}, {dist.world_size} rank(s) on {dist.device.type}")
         run_stages(recipe, stages, out, dist)
     except (stage.StageMismatchError, CacheMismatchError, LinkedPathError) as exc:
-        # a folder made with other settings: the user's input, not a bug, so its message alone (once, not a
-        # traceback from every rank)
+        # a folder made with other settings, damaged or holding a link: the user's input, not a bug, so its message
+        # alone (once, not a traceback from every rank)
         if dist.is_main:
             # a refused run did not start: the folder's recipe.yaml stays the one its stages were made with
             if previous is None:
