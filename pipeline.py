@@ -24,11 +24,12 @@ from pathlib import Path
 import yaml
 
 from core import stage
-from core.io import (LinkedPathError, LockedError, atomic_write_bytes, atomic_write_text, link_problem, links_under,
-                     lock_for_process, own_root, remove_own_temps)
+from core.io import (DamagedFileError, LinkedPathError, LockedError, atomic_write_bytes, atomic_write_text, link_problem,
+                     links_under, lock_for_process, own_root, remove_own_temps)
 from core.malloc import keep_freed_memory
 from core.recipe import RecipeError, list_recipes, load_recipe, shareable_recipe_dict
 from core.server import ENGINES, engine_python_problem
+from data.prompts import training_overlap
 from data.sources import source_problem
 
 # The stages' modules (torch, transformers: ~12 s to import on a small machine) are imported where they are first
@@ -104,31 +105,45 @@ def main(argv=None) -> int:
         if stale:
             print(f"[draftsmith] removed {len(stale)} temporary file(s) an interrupted run left in {out}", flush=True)
     from core.dist import close_dist, init_dist
-    from data.cache import CacheMismatchError
+    from data.cache import CacheCorruptedError, CacheMismatchError
+    from export.convert import NotAnExportError
 
     dist = init_dist()
     recipe_file = out / RECIPE_NAME
     previous = recipe_file.read_bytes() if dist.is_main and recipe_file.is_file() else None
+    pins = stage_pins(out)
+    finished = False
     try:
         if dist.is_main:
             atomic_write_text(recipe_file, yaml.safe_dump(shareable_recipe_dict(recipe), sort_keys=False))
         dist.print(f"[draftsmith] recipe {recipe.name} ({recipe.family}), target {recipe.target.name_or_path}, "
                    f"stages {','.join(stages)}, out {out}, {dist.world_size} rank(s) on {dist.device.type}")
         run_stages(recipe, stages, out, dist)
-    except (stage.StageMismatchError, CacheMismatchError, LinkedPathError) as exc:
-        # a folder made with other settings, damaged or holding a link: the user's input, not a bug, so its message
-        # alone (once, not a traceback from every rank)
+        finished = True
+    except (stage.StageMismatchError, CacheMismatchError, CacheCorruptedError, DamagedFileError, LinkedPathError,
+            NotAnExportError) as exc:
+        # a folder made with other settings, a damaged or malformed file, a link: the user's to mend, not a bug, so
+        # its message alone (once, not a traceback from every rank)
         if dist.is_main:
-            # a refused run did not start: the folder's recipe.yaml stays the one its stages were made with
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        # a run that ended before any stage pinned or finished its folder did not start: the folder's recipe.yaml
+        # stays the one its stages were made with (one that did leaves its own: its stages were made with it)
+        if dist.is_main and not finished and stage_pins(out) == pins:
             if previous is None:
                 recipe_file.unlink(missing_ok=True)
             else:
                 atomic_write_bytes(recipe_file, previous)
-            print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
         close_dist()
     return 0
+
+
+def stage_pins(out: Path) -> list[bytes | None]:
+    """Each stage folder's settings.json and DONE.json as they are: a stage that starts work pins the first, one
+    that ends writes the second."""
+    return [path.read_bytes() if path.is_file() else None
+            for name in stage.STAGE_DIRS for path in (out / name / stage.SETTINGS_NAME, out / name / stage.DONE_NAME)]
 
 
 def training_records(recipe, out: Path, tokenizer, target):
@@ -151,8 +166,9 @@ def final_draft(recipe, out: Path) -> Path:
 def missing_inputs(recipe, stages: list[str], out: Path) -> list[str]:
     """--out itself, and each stage's input: another stage's finished output, or that stage among --stages (it used
     to fail with a traceback, 'No such file or directory: .../train/final/config.json')."""
-    if out.exists() and not out.is_dir():
-        return [f"--out {out} is a file, not a folder: give a folder (it is created when missing)"]
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())  # what mkdir would meet
+    if not existing.is_dir():
+        return [f"--out {out}: {existing} is a file, not a folder: give a folder (it is created when missing)"]
     online = recipe.train.hidden_states == "online"
     opd = recipe.opd.rounds > 0
     # input: (its folder, whether it is there, the stage that makes it)
@@ -218,6 +234,7 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
             source(f"data.sources[{i}]", src.name, src.path)
     if "eval" in stages:
         source("eval.dataset", recipe.eval.dataset, None)
+        problems += eval_overlap_problem(recipe)
     engine = recipe.regen.backend if recipe.regen.backend in ENGINES else None  # a server the stage starts
     if "regenerate" in stages and engine and not stage.is_done(out / "regen"):
         setting = "regen.engine_python" + (" (or $DRAFTSMITH_VLLM_PYTHON)" if engine == "vllm" else "")
@@ -250,22 +267,44 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     return problems
 
 
+def eval_overlap_problem(recipe) -> list[str]:
+    """An eval set holding training prompts measures memory, not drafting: refused unless the recipe asks for it
+    (eval.allow_training_prompts). Decided from the sources' names, without reading them."""
+    if recipe.eval.allow_training_prompts or source_problem(recipe.eval.dataset):
+        return []
+    why = training_overlap(recipe.eval.dataset, recipe.data.sources, recipe.data.holdout_fraction)
+    if why is None:
+        return []
+    return [f"eval.dataset {recipe.eval.dataset}: its prompts would be training prompts: {why}; or set "
+            f"eval.allow_training_prompts=true to measure how the drafter fits the prompts it trained on"]
+
+
 def block_memory_problem(recipe, hidden_size: int) -> list[str]:
-    """A block drafter's micro-batch holds micro_batch_size x num_anchors x block_size draft tokens, and each draft
-    layer keeps at least one fp32 hidden state per token for the backward: refuse, before regeneration, a block size
-    whose lower bound alone exceeds this machine's memory (it used to run out of memory after regenerate and cache)."""
+    """A block drafter's micro-batch holds micro_batch_size x num_anchors x block-length draft tokens; each draft layer
+    keeps at least one fp32 hidden state per token for the backward and, on CPU, SDPA's copy of the block attention
+    mask (a bool [tokens, context + tokens] of each sequence, copied per layer in the compute dtype, bf16 at least;
+    the GPU's flex attention builds none). Refuse, before regeneration, a block size whose lower bound alone exceeds
+    this machine's memory (it used to run out of memory after regenerate and cache, at step 1)."""
+    import torch
+
+    from modeling.dspark import block_length
+
     if recipe.family == "eagle3":
         return []
-    draft = recipe.draft
-    tokens = recipe.train.micro_batch_size * draft.num_anchors * draft.block_size
-    need = tokens * hidden_size * 4 * draft.num_layers
+    draft, sequences = recipe.draft, recipe.train.micro_batch_size
+    block_len = block_length(draft.block_size, draft.sample_from_anchor)
+    per_sequence = draft.num_anchors * block_len
+    tokens = sequences * per_sequence
+    activations = tokens * hidden_size * 4 * draft.num_layers
+    mask = 0 if torch.cuda.is_available() else sequences * per_sequence**2 * (1 + 2 * draft.num_layers)
     have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if need <= have:
+    if activations + mask <= have:
         return []
-    return [f"draft.block_size {draft.block_size}: train.micro_batch_size {recipe.train.micro_batch_size} x "
-            f"draft.num_anchors {draft.num_anchors} x block_size puts {tokens:,} draft tokens in one micro-batch, "
-            f"at least {need / 2**30:,.1f} GiB of activations ({draft.num_layers} layer(s) x width {hidden_size} x 4 "
-            f"bytes a token), more than this machine's {have / 2**30:,.1f} GiB: block drafters use 7-16"]
+    return [f"draft.block_size {draft.block_size}: train.micro_batch_size {sequences} x draft.num_anchors "
+            f"{draft.num_anchors} x the block's {block_len} slots puts {tokens:,} draft tokens "
+            f"in one micro-batch: at least {activations / 2**30:,.1f} GiB of activations ({draft.num_layers} layer(s) "
+            f"x width {hidden_size} x 4 bytes a token) and {mask / 2**30:,.1f} GiB of block attention mask (tokens x "
+            f"tokens, each layer's copy), more than this machine's {have / 2**30:,.1f} GiB: block drafters use 7-16"]
 
 
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:

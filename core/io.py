@@ -252,7 +252,7 @@ def read_json(path, validate: Callable | None = None):
         try:
             obj = json.load(handle)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}: not valid JSON ({err})") from err
+            raise DamagedFileError(f"{path}: not valid JSON ({err})") from err
     if validate is None:
         return obj
     try:
@@ -419,21 +419,21 @@ def write_checksums(folder) -> None:
 
 
 def verify_checksums(folder, required: bool = False) -> None:
-    """Raise ValueError naming the first file of `folder` that is missing or differs from its checksums.json. A folder
-    without one (written before checksums existed, or by hand) is not checked, unless `required`: a folder its writer
-    always checksums (a checkpoint, a stage's published draft), whose checksums.json was deleted, is refused."""
+    """Raise DamagedFileError naming the first file of `folder` that is missing or differs from its checksums.json. A
+    folder without one (written before checksums existed, or by hand) is not checked, unless `required`: a folder its
+    writer always checksums (a checkpoint, a stage's published draft), whose checksums.json was deleted, is refused."""
     folder = Path(folder)
     if not (folder / CHECKSUMS_NAME).is_file():
         if required:
-            raise ValueError(f"{folder / CHECKSUMS_NAME} is missing: the folder's files cannot be checked against "
+            raise DamagedFileError(f"{folder / CHECKSUMS_NAME} is missing: the folder's files cannot be checked against "
                              f"what was written, so none is trusted. Restore it, or make the folder again")
         return
     for name, digest in read_json(folder / CHECKSUMS_NAME).items():
         path = folder / name
         if not path.is_file():
-            raise ValueError(f"{path} is missing (listed in {folder / CHECKSUMS_NAME})")
+            raise DamagedFileError(f"{path} is missing (listed in {folder / CHECKSUMS_NAME})")
         if sha256_file(path) != digest:
-            raise ValueError(f"{path} is damaged: its sha256 differs from the one in {folder / CHECKSUMS_NAME}")
+            raise DamagedFileError(f"{path} is damaged: its sha256 differs from the one in {folder / CHECKSUMS_NAME}")
 
 
 class LockedError(RuntimeError):
@@ -540,3 +540,8 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
+
+
+class DamagedFileError(ValueError):
+    """A file a run reads is damaged or not in its format (cut, edited, missing, malformed); the message names the
+    file and what to do. The pipeline prints it as one `error:` line with exit code 2: the user's to mend, not a bug."""

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from core.redact import redact_url
+from core.redact import redact_url, redact_urls
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 #: the drafter families a recipe trains; modeling/registry.py maps each to its model class. The block families are
@@ -265,6 +265,10 @@ class EvalConfig:
     max_new_tokens: int = 512
     #: also decode the same prompts with the free n-gram drafter and report the draft's tau as a ratio of its.
     ngram_baseline: bool = True
+    #: false = a run whose eval set holds training prompts (a training source read whole, or its held-out split at
+    #: data.holdout_fraction 0) is refused before anything runs; true = measure how the drafter fits the prompts it
+    #: trained on (the overfit recipes).
+    allow_training_prompts: bool = False
 
 
 @dataclass
@@ -376,8 +380,9 @@ def _apply_override(raw: dict, item: str) -> None:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at column {mark.column + 1}" if mark is not None else ""
-        raise RecipeError(f"--set {item}: the value is not valid YAML ({getattr(err, 'problem', None) or err}"
-                          f"{where}); quote it or fix its brackets") from None
+        problem = getattr(err, "problem", None) or err
+        raise RecipeError(f"--set {redact_urls(item)}: the value is not valid YAML ({problem}{where}); quote it or fix "
+                          f"its brackets") from None
 
 
 def _build(cls, raw: Any, prefix: str, errors: list[str]):
@@ -417,7 +422,8 @@ def _convert(tp, value: Any, dotted: str, errors: list[str]):
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            errors.append(f"{dotted}: expected a list of {_type_name(item_tp)}, got {type(value).__name__} {value!r}")
+            errors.append(f"{dotted}: expected a list of {_type_name(item_tp)}, got {type(value).__name__} "
+                          f"{redact_urls(repr(value))}")  # a URL's password stays out of the message
             return value
         return [_convert(item_tp, v, f"{dotted}[{i}]", errors) for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
@@ -431,7 +437,7 @@ def _convert(tp, value: Any, dotted: str, errors: list[str]):
     if tp in (int, str, bool, float):
         # bool is an int subclass in Python: reject it where a number is expected.
         if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
-            errors.append(f"{dotted}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+            errors.append(f"{dotted}: expected {_type_name(tp)}, got {type(value).__name__} {redact_urls(repr(value))}")
         return value
     raise TypeError(f"schema type {tp} of {dotted} is not supported")  # a bug in this file, not in the recipe
 
@@ -514,6 +520,10 @@ def _check_values(recipe: Recipe) -> None:
         problems.append(f"data.holdout_fraction must be in [0, 1), got {recipe.data.holdout_fraction}")
     if not recipe.data.sources:
         problems.append("data.sources must name at least one prompt source")
+    elif not math.isfinite(sum(s.weight for s in recipe.data.sources)):
+        weights = ", ".join(f"data.sources[{i}].weight {s.weight}" for i, s in enumerate(recipe.data.sources))
+        problems.append(f"{weights} sum past the largest number: the weights are relative shares, scale them down "
+                        f"(e.g. 1.0 each)")
     if not recipe.target.layer_ids:
         problems.append("target.layer_ids must list at least one layer")
     if len(set(recipe.target.layer_ids)) != len(recipe.target.layer_ids):
@@ -527,7 +537,7 @@ def _check_values(recipe: Recipe) -> None:
                         "draft.init_copy=frozen: set train.weight_decay=0 or draft.init_copy=trained")
     if recipe.regen.backend == "openai" and not recipe.regen.server_urls:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
-    problems += [f"regen.server_urls[{i}]: {url!r} is not an http(s) URL; write it as http://host:port"
+    problems += [f"regen.server_urls[{i}]: {redact_url(url)!r} is not an http(s) URL; write it as http://host:port"
                  for i, url in enumerate(recipe.regen.server_urls) if not url.startswith(("http://", "https://"))]
     non_negative = {"draft.markov_rank": recipe.draft.markov_rank,
                     "train.keep_checkpoints": recipe.train.keep_checkpoints}

@@ -34,7 +34,16 @@ def redact_args(argv: list[str] | tuple[str, ...]) -> list[str]:
 def redact_url(url: str) -> str:
     """`url` without what may be a secret: a user and password (http://user:token@host) and the query string
     (?key=...) become REDACTED; the scheme, host, port and path stay, so that a message still names the server."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:  # 'http://[::1' (an unclosed IPv6 bracket)
+        parts = None
+    if parts is None or not parts.netloc:  # not a URL urlsplit reads ('user:token@host:8000' has no '//'): crudely
+        head, at, tail = url.rpartition("@")
+        if at:
+            scheme = re.match(r"[a-z][a-z0-9+.-]*://", head, re.IGNORECASE)
+            url = (scheme.group(0) if scheme else "") + f"{REDACTED}@{tail}"
+        return _QUERY.sub(f"?{REDACTED}", url)
     try:
         host = (parts.hostname or "") if parts.port is None else f"{parts.hostname}:{parts.port}"
     except ValueError:  # a port that is not a number: keep the netloc without its user part

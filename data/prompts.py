@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
 import random
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,7 +25,7 @@ from typing import Any
 from data.rows import Prompt
 from data.sources import SourceSpec, read_source, resolve_source
 
-__all__ = ["DEFAULT_HOLDOUT_FRACTION", "eval_prompts", "is_holdout", "load_prompts"]
+__all__ = ["DEFAULT_HOLDOUT_FRACTION", "eval_prompts", "is_holdout", "load_prompts", "training_overlap"]
 
 DEFAULT_HOLDOUT_FRACTION = 0.05
 _SPLITS = ("train", "holdout")
@@ -55,7 +56,7 @@ def _dedup_key(p: Prompt) -> tuple[str, tuple[str, ...]]:
 def _allocate(total: int, weights: Sequence[float]) -> list[int]:
     """round(total * w / sum(w)) per source, by largest remainder so the sum is exact."""
     wsum = float(sum(weights))
-    exact = [total * w / wsum for w in weights]
+    exact = [total * (w / wsum) for w in weights]  # w / wsum first: total * w may overflow
     counts = [math.floor(x) for x in exact]
     rest = total - sum(counts)
     order = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
@@ -154,8 +155,9 @@ def load_prompts(
         if not math.isfinite(weight) or weight < 0:
             raise ValueError(f"source {name!r}: weight must be finite and >= 0, got {weight}")
     weights = [w for _, _, w, _ in fields]
-    if sum(weights) <= 0:
-        raise ValueError("the source weights sum to 0")
+    if not 0 < sum(weights) < math.inf:
+        raise ValueError(f"the source weights sum to {sum(weights)}: they are relative shares, give each a positive "
+                         "number such as 1.0")
     specs = [resolve_source(name, path) for name, path, _, _ in fields]
     quotas = _allocate(num_prompts, weights)
 
@@ -190,6 +192,44 @@ def load_prompts(
 _BENCHMARKS = ("humaneval", "mtbench")
 
 
+def _read_whole(spec: SourceSpec) -> bool:
+    """Whether eval_prompts reads every row of the source (a test set, or a file named for evaluation) rather than
+    its held-out split."""
+    return spec.kind in _BENCHMARKS or spec.kind in ("gsm8k", "file")
+
+
+def _rows_read(spec: SourceSpec, split: str) -> tuple:
+    """What a source reads: two sources with one value read the same rows, under the same ids."""
+    path = os.path.realpath(spec.path) if spec.path and os.path.exists(spec.path) else spec.path
+    by_split = spec.kind == "hub" or (spec.kind == "gsm8k" and not spec.path)  # the others ignore the split
+    return spec.kind, path, split if by_split else None
+
+
+def training_overlap(eval_name: str, sources: Sequence[Any], holdout_fraction: float) -> str | None:
+    """Why ``eval_prompts(eval_name, ..., holdout_fraction=holdout_fraction)`` would hold prompts that
+    ``load_prompts(sources, ..., holdout_fraction)`` trains on (with one seed), and what to do; None when none.
+
+    Decided from what each source reads, without reading it: an eval set read whole shares every row of a training
+    source that reads the same rows; a held-out split shares none unless nothing is held out.
+    """
+    spec = resolve_source(eval_name, None)
+    whole = _read_whole(spec)
+    read = _rows_read(spec, "test" if whole else "train")
+    for i, src in enumerate(sources):
+        name, path, _, split = _source_fields(src)
+        if _rows_read(resolve_source(name, path), split) != read:
+            continue
+        if whole:
+            return (f"the eval reads every row of it, and data.sources[{i}] trains on the same rows (all but the "
+                    "data.holdout_fraction held out). Evaluate on prompts not in data.sources (mtbench, humaneval, "
+                    "or a file of other prompts)")
+        if holdout_fraction <= 0:
+            return (f"it is data.sources[{i}], whose held-out split the eval draws, and data.holdout_fraction is 0 "
+                    "(nothing is held out). Set data.holdout_fraction > 0 (e.g. 0.05), or evaluate on prompts not in "
+                    "data.sources")
+    return None
+
+
 def eval_prompts(
     name_or_path: str,
     num_samples: int | None,
@@ -214,7 +254,7 @@ def eval_prompts(
     """
     spec = resolve_source(name_or_path, path)
     everything = num_samples is None or num_samples <= 0
-    if spec.kind in _BENCHMARKS or spec.kind in ("gsm8k", "file"):
+    if _read_whole(spec):
         rows = read_source(spec, "test", None)
         if everything or num_samples >= len(rows):
             return rows

@@ -8,26 +8,27 @@
 * a hub dataset, with a 3 s reachability probe so that an offline machine fails at once instead of retrying for
   ~25 s: :func:`load_hub_rows`.
 
-A file that cannot be decoded (invalid UTF-8, a cut or corrupt ``.gz``) is refused with an error naming it. What a
-row means is data/rows.py; which source reads which file is data/sources.py.
+A file that cannot be decoded (invalid UTF-8, a cut or corrupt ``.gz``) or parsed is refused with a
+:class:`~core.io.DamagedFileError` naming it. What a row means is data/rows.py; which source reads which file is
+data/sources.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gzip
 import importlib.metadata
 import json
 import logging
 import os
 import re
-import socket
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlparse
+
+from core.hub import hub_endpoint, hub_reachable, offline_variable
+from core.io import DamagedFileError
 
 __all__ = ["CHUNK_CHARS", "NotAnArray", "decode_errors_named", "iter_json_array_stream", "load_hub_rows", "open_text",
            "package_file", "read_json_rows", "read_json_rows_python"]
@@ -75,11 +76,11 @@ def decode_errors_named(path: str | os.PathLike) -> Iterator[None]:
     try:
         yield
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not valid UTF-8 text ({exc.reason}: {exc.object[exc.start:exc.end]!r}); save "
-                         "the prompt file as UTF-8") from None
+        raise DamagedFileError(f"{path}: not valid UTF-8 text ({exc.reason}: {exc.object[exc.start:exc.end]!r}); "
+                               "save the prompt file as UTF-8") from None
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
-        raise ValueError(f"{path}: the .gz file is cut off or corrupt ({type(exc).__name__}: {exc}); download or "
-                         "compress it again") from None
+        raise DamagedFileError(f"{path}: the .gz file is cut off or corrupt ({type(exc).__name__}: {exc}); "
+                               "download or compress it again") from None
 
 
 def iter_json_array_stream(f: IO[str], chunk_chars: int | None = None, where: str = "JSON array") -> Iterator[Any]:
@@ -124,10 +125,10 @@ def iter_json_array_stream(f: IO[str], chunk_chars: int | None = None, where: st
             if not fill(chunk_chars):
                 return False
 
-    def syntax_error(at: int, index: int, problem: str) -> ValueError:
+    def syntax_error(at: int, index: int, problem: str) -> DamagedFileError:
         newlines = buf.count("\n", 0, at)
         column = at - buf.rfind("\n", 0, at) if newlines else column_before + at + 1
-        return ValueError(
+        return DamagedFileError(
             f"{where}: JSON syntax error in element {index} (0-based) at line {lines_before + newlines + 1}, column "
             f"{column}: {problem}. Every element after it would be lost: repair the file (or download it again)")
 
@@ -177,17 +178,24 @@ def _cut_by_end_of_text(exc: json.JSONDecodeError) -> bool:
     return exc.msg.startswith("Unterminated string") or bool(_PARTIAL_TOKEN.fullmatch(exc.doc[exc.pos:].strip()))
 
 
+_BLANK = "\ufeff \t\r\n"
+
+
 def read_json_rows_python(path: Path) -> list[Any]:
     """Rows of a JSON array / JSON Lines file (.gz ok), plain Python."""
     with decode_errors_named(path), open_text(path) as f:
         text = f.read()
-    stripped = text.lstrip("\ufeff \t\r\n")
+    stripped = text.lstrip(_BLANK)
     if stripped.startswith("["):
         try:
             data = json.loads(stripped)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: invalid JSON: {exc}") from None
+            raise DamagedFileError(f"{path}: invalid JSON: {exc}") from None
         return list(data)
+    if stripped and not stripped.startswith("{"):
+        raise DamagedFileError(f"{path}: neither a JSON array of rows nor JSON Lines (one object a line, like "
+                               f"{{\"prompt\": \"...\"}}): it starts with {stripped[:40]!r}. Write the prompts in one "
+                               f"of those forms")
     rows = []
     for lineno, line in enumerate(stripped.splitlines(), 1):
         if not line.strip():
@@ -195,7 +203,7 @@ def read_json_rows_python(path: Path) -> list[Any]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: line {lineno} is not valid JSON: {exc}") from None
+            raise DamagedFileError(f"{path}: line {lineno} is not valid JSON: {exc}") from None
     return rows
 
 
@@ -203,8 +211,11 @@ def read_json_rows(path: Path) -> list[Any]:
     """Rows of a local JSON / JSONL (.gz) file.
 
     ``datasets.load_dataset("json")`` first (fast, handles .gz); when it cannot build one
-    Arrow schema (rows of mixed or conflicting shapes) fall back to plain Python.
+    Arrow schema (rows of mixed or conflicting shapes) fall back to plain Python. Only a file that starts like an
+    array or an object goes to ``datasets``: its reader crashes the process on a top-level ``null``.
     """
+    if _first_char(path) not in ("[", "{"):
+        return read_json_rows_python(path)  # an empty file, or one refused there by name
     try:
         import datasets
 
@@ -214,6 +225,15 @@ def read_json_rows(path: Path) -> list[Any]:
     except Exception as exc:  # noqa: BLE001 - any datasets failure -> plain reader
         logger.debug("datasets could not read %s (%s); using the plain JSON reader", path, exc)
         return read_json_rows_python(path)
+
+
+def _first_char(path: Path) -> str:
+    """The file's first character that is not blank ("" for none)."""
+    with decode_errors_named(path), open_text(path) as f:
+        while chunk := f.read(4096):
+            if chunk.lstrip(_BLANK):
+                return chunk.lstrip(_BLANK)[0]
+    return ""
 
 
 @contextlib.contextmanager
@@ -238,35 +258,11 @@ def _quiet_datasets() -> Iterator[None]:
 # --------------------------------------------------------------------------------------
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-def _offline_env() -> bool:
-    return any(_env_true(v) for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-@functools.lru_cache(maxsize=None)
-def _hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
-    url = urlparse(endpoint)
-    host = url.hostname or "huggingface.co"
-    port = url.port or (443 if url.scheme != "http" else 80)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def _hub_mode() -> Iterator[None]:
     """Offline (cache-only) datasets/hub mode when the environment says so or the hub is
     unreachable, so a missing network fails in milliseconds instead of retrying for ~25 s."""
-    if _offline_env():
-        yield
-        return
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if _hub_reachable(endpoint):
+    if offline_variable() or hub_reachable(hub_endpoint()):
         yield
         return
     import datasets.config as ds_config

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from core.io import DamagedFileError
+
 __all__ = ["ACCEPTED_SHAPES", "IdMaker", "Prompt", "ShapeError", "clean_answers", "clean_turns", "gsm8k_answer",
            "parse_row", "row_id", "rows_to_prompts", "shape_error"]
 
@@ -35,6 +37,7 @@ _SYSTEM_ROLES = frozenset({"system"})
 # discarded.
 _ASSISTANT_ROLES = frozenset({"assistant", "gpt", "bot", "model", "chatgpt"})
 _ID_KEYS = ("id", "prompt_id", "question_id", "task_id", "uuid")
+_SHAPE_KEYS = ("conversations", "messages", "turns", "question", "prompt")  # the keys of ACCEPTED_SHAPES
 
 
 @dataclass(frozen=True)
@@ -131,17 +134,21 @@ def parse_row(row: Mapping[str, Any]) -> tuple[str | None, list[str], list[str]]
         return system, [row["question"]], gsm8k_answer(row)
     if "prompt" in present and isinstance(row["prompt"], str):
         return system, [row["prompt"]], []
+    nulls = [key for key in _SHAPE_KEYS if key in row and key not in present]
+    if nulls and not present - {"system", *_ID_KEYS}:  # {"prompt": null}: say so, not "keys seen: []"
+        raise ShapeError(f"{' / '.join(map(repr, nulls))} is null or missing: give the prompt's text")
     raise ShapeError(f"unrecognised row shape (keys seen: {sorted(present)})")
 
 
-def shape_error(where: str, index: int, row: Any, detail: str) -> ValueError:
+def shape_error(where: str, index: int, row: Any, detail: str) -> DamagedFileError:
     """The error for row ``index`` of ``where``: the problem, the keys the row has, and every accepted shape."""
-    keys = sorted(k for k, v in row.items() if v is not None) if isinstance(row, Mapping) else None
-    seen = f"keys seen: {keys}" if keys is not None else f"row is a {type(row).__name__}"
+    if isinstance(row, Mapping):
+        keys = sorted(k for k, v in row.items() if v is not None)
+        seen = f"keys seen: {keys}" if keys or not row else "no key has a value"
+    else:
+        seen = f"row is a {type(row).__name__}"
     shapes = "\n".join(f"  - {s}" for s in ACCEPTED_SHAPES)
-    return ValueError(
-        f"{where}: row {index + 1}: {detail}; {seen}. Accepted row shapes:\n{shapes}"
-    )
+    return DamagedFileError(f"{where}: row {index + 1}: {detail}; {seen}. Accepted row shapes:\n{shapes}")
 
 
 def clean_turns(turns: Iterable[str]) -> tuple[str, ...]:

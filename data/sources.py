@@ -56,6 +56,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.io import DamagedFileError
 from data.libcode import library_prompts
 from data.readers import (NotAnArray, decode_errors_named, iter_json_array_stream, load_hub_rows, open_text,
                           package_file, read_json_rows)
@@ -174,7 +175,7 @@ def _read_sharegpt(spec: SourceSpec, split: str, limit: int | None) -> list[Prom
         try:
             return rows_to_prompts(iter_json_array_stream(f, where=str(path)), spec.source, str(path), limit)
         except NotAnArray as exc:
-            raise ValueError(f"{path}: {exc} (a ShareGPT file is a JSON array of conversations)") from None
+            raise DamagedFileError(f"{path}: {exc} (a ShareGPT file is a JSON array of conversations)") from None
 
 
 def _humaneval_turn(prompt: str) -> str:

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from core import stage
 from core.io import atomic_open, atomic_write_json, atomic_write_text, make_dir, read_json
 from data.chat import build_messages, render_prompt_ids
-from data.prompts import eval_prompts
+from data.prompts import DEFAULT_HOLDOUT_FRACTION, eval_prompts
 from eval import SCHEDULES
 from eval.compare import record_source, source_rows, source_table, tally
 from eval.calibration import MIN_ROUNDS, calibrate_sts, calibration_report, logits_from_probs, prefix_labels
@@ -137,6 +137,8 @@ class EvalSettings:
     lookup_first: n > 0 proposes prompt lookup's continuation whenever the context's last n or more tokens occurred
     before, the draft's otherwise (eval/spec_decode.py LookupFirstDrafter; no serving engine runs it). Report
     `lookup_first` and `copied_round_share`.
+    holdout_fraction: a source's held-out split (not a benchmark's or a file's rows) is drawn with it and `seed`; the
+    training recipe's data.holdout_fraction and seed keep it apart from the prompts the draft trained on.
     """
 
     draft: str
@@ -160,6 +162,7 @@ class EvalSettings:
     verify_schedule: str = "fixed"
     sts_path: str | None = None
     lookup_first: int = 0
+    holdout_fraction: float = DEFAULT_HOLDOUT_FRACTION
 
 
 def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = None) -> dict:
@@ -189,7 +192,7 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
     if s.verify_schedule == "confidence":
         schedule, schedule_report = loop_schedule(target, drafter, gamma, s.sts_path, out_dir)
     draft_vocab = getattr(getattr(drafter, "model", None), "draft_vocab", None)
-    prompts = eval_prompts(s.dataset, s.num_samples, s.seed, path=s.dataset_path)
+    prompts = eval_prompts(s.dataset, s.num_samples, s.seed, path=s.dataset_path, holdout_fraction=s.holdout_fraction)
     greedy = is_greedy(s.temperature)
 
     hf_generate = s.hf_generate and greedy
@@ -314,7 +317,9 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
         draft=str(draft_dir), target_name=recipe.target.name_or_path, dataset=recipe.eval.dataset, out_dir=eval_dir,
         num_samples=recipe.eval.num_samples, temperature=recipe.eval.temperature, block_size=None,
         max_new_tokens=recipe.eval.max_new_tokens, seed=recipe.seed, system_prompt=recipe.data.system_prompt,
-        enable_thinking=recipe.regen.enable_thinking, ngram_baseline=recipe.eval.ngram_baseline), target=target)
+        enable_thinking=recipe.regen.enable_thinking, ngram_baseline=recipe.eval.ngram_baseline,
+        # training's split; at 0 nothing is held out and check_inputs refused a training source as the eval set
+        holdout_fraction=recipe.data.holdout_fraction or DEFAULT_HOLDOUT_FRACTION), target=target)
     # written last, after report.md and the plot: a crash before it reruns the stage
     # recorded: export ships sts.json and sps_table.json, and the skipped stage prints report.json's tau
     outputs = [name for name in ("report.json", STS_FILENAME, SPS_FILENAME) if (Path(eval_dir) / name).is_file()]

@@ -490,19 +490,25 @@ _COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
 EXPORT_FILES = frozenset((CONFIG_NAME, WEIGHTS_NAME, STS_FILENAME, SPS_FILENAME) + _COPIED_FILES)
 
 
+class NotAnExportError(FileExistsError):
+    """The folder an export would replace holds more than an earlier export: nothing is deleted."""
+
+
 def _check_replaceable(out_dir: Path) -> None:
-    """--overwrite replaces an earlier export, never anything else that --out happens to name (a run folder with
-    its cache and checkpoints, a home directory): those hold files an export never writes."""
+    """An export (export/main.py --overwrite, the pipeline's export stage) replaces an earlier export, never anything
+    else its folder happens to be (a run folder with its cache and checkpoints, a home directory, a user's notes):
+    those hold files an export never writes."""
     if out_dir.is_symlink() or not out_dir.is_dir():
-        raise FileExistsError(f"--overwrite replaces an export folder, and {out_dir} is "
-                              f"{'a link' if out_dir.is_symlink() else 'not a folder'}: choose another --out")
+        raise NotAnExportError(f"an export replaces only an export folder, and {out_dir} is "
+                               f"{'a link' if out_dir.is_symlink() else 'not a folder'}: export to another folder, or "
+                               f"remove it yourself if it really is to go")
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
                      if p.name not in EXPORT_FILES or not p.is_file() or p.is_symlink())
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise FileExistsError(f"--overwrite replaces only an export folder ({', '.join(sorted(EXPORT_FILES))}), "
-                              f"and {out_dir} also holds {shown}: not deleting it. Choose another --out, or "
-                              f"remove that folder yourself if it really is to go")
+        raise NotAnExportError(f"an export replaces only an export folder ({', '.join(sorted(EXPORT_FILES))}), "
+                               f"and {out_dir} also holds {shown}: not deleting it. Move those out of it, export to "
+                               f"another folder, or remove it yourself if it really is to go")
 
 
 def run_export_stage(draft_dir: Path, export_dir: Path, target_name: str, sts_path: Path | None,

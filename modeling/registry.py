@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
-from core.io import publish_dir, sha256_file
+from core.io import DamagedFileError, publish_dir, sha256_file
 from core.stage import verify_published
 from core.recipe import BLOCK_FAMILIES, FAMILIES
 from modeling.draft_folder import (ARCHITECTURE_NAMES, CONFIG_NAME, TOKEN_MAP_NAME, WEIGHTS_NAME, architecture_name,
@@ -138,8 +138,8 @@ def read_draft_weights(draft_dir) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{path} not found: expected a draft folder written by training "
                                 f"({CONFIG_NAME} + {WEIGHTS_NAME})") from None
     except Exception as err:  # safetensors raises its own SafetensorError (and OSError) on a cut or foreign file
-        raise ValueError(f"{path} is unreadable (truncated or not a safetensors file: {err}); export or "
-                         f"train it again") from None
+        raise DamagedFileError(f"{path} is unreadable (truncated or not a safetensors file: {err}); export or "
+                               f"train it again") from None
 
 
 class TargetMismatchError(ValueError):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.hub import hub_unavailable
 from core.io import exclusive, make_dir, publish_dir
 from modeling import cpu_linear
 
@@ -126,9 +127,25 @@ def target_path_problem(name_or_path: str) -> str | None:
         return (f"{name_or_path!r} is not a model folder (no config.json in it): give the folder that holds the "
                 f"model's config.json, tokenizer and weights")
     if _HUB_ID.fullmatch(name_or_path) and not name_or_path.startswith("."):
-        return None
+        return _hub_target_problem(name_or_path)
     return (f"no such model folder {name_or_path!r} (and it is not a hub id, 'namespace/name'): give an existing "
             f"folder with a config.json, a hub id, or {SMOLLM2}")
+
+
+def _hub_target_problem(repo_id: str) -> str | None:
+    """A hub id that is no local folder ('models/mine' may be either) cannot load when it is not in the local hub
+    cache and the hub cannot be asked: say so, naming both readings, instead of the hub's OSError after the recipe
+    loaded."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    unavailable = hub_unavailable()
+    if unavailable is None:
+        return None
+    return (f"no local folder {repo_id!r}, and {unavailable}, with no copy of hub model {repo_id!r} in the local "
+            f"hub cache: give an existing model folder (with its config.json), or download the model where the hub "
+            f"is reachable")
 
 
 def target_shape(name_or_path: str) -> dict | None:

@@ -4,8 +4,11 @@ and a message that names the key, flag or file and what a valid value is."""
 
 import pytest
 
-from conftest import ROOT, eval_cli, tiny_overrides
-from pipeline import main
+from conftest import ROOT, eval_cli, run_cli, tiny_overrides
+from core.io import write_checksums
+from core.recipe import load_recipe
+from pipeline import check_inputs, main
+from test_export import make_block_draft, make_eagle3_draft
 
 # (--set overrides, --stages, fragments the error must hold)
 CASES = [
@@ -67,6 +70,17 @@ CASES = [
     ({}, "train", ["--stages train reads", "cache, which no finished cache stage wrote"]),
     ({"name": "../../../escape"}, "regenerate", ["name '../../../escape' must be a plain name", "runs/<name>"]),
     ({"name": "/tmp/abs"}, "regenerate", ["name '/tmp/abs' must be a plain name"]),
+    # issue 46: the eval drew wordmath's held-out split at 0.05 whatever data.holdout_fraction said (at 0, 8 of 8 eval
+    # prompts were training prompts); 1e308 x 2 was 'cannot convert float NaN to integer'; a mask of 100,000-token
+    # blocks (tokens x tokens) used to pass and fail at step 1; a missing relative folder was a hub OSError
+    ({"data.sources": "[{name: wordmath}]", "data.holdout_fraction": 0, "eval.dataset": "wordmath"}, "eval",
+     ["eval.dataset wordmath: its prompts would be training prompts", "data.sources[0]", "data.holdout_fraction is 0"]),
+    ({"data.sources": "[{name: wordmath, weight: 1.0e308}, {name: libcode, weight: 1.0e308}]"}, "regenerate",
+     ["data.sources[0].weight 1e+308, data.sources[1].weight 1e+308 sum past the largest number"]),
+    ({"draft.block_size": 100000, "draft.num_anchors": 4}, "regenerate,cache,train",
+     ["draft.block_size 100000", "GiB of block attention mask"]),
+    ({"target.name_or_path": "models/mine"}, "regenerate",
+     ["target.name_or_path: no local folder 'models/mine'", "the hub is offline", "HF_HUB_OFFLINE"]),
 ]
 
 
@@ -139,8 +153,6 @@ DRAFT_CASES = [
 
 @pytest.mark.parametrize("args,fragment", DRAFT_CASES, ids=[" ".join(c[0]) for c in DRAFT_CASES])
 def test_eval_cli_refuses_what_the_draft_cannot_do_before_loading_anything(args, fragment, tmp_path, capsys, drill):
-    from test_export import make_block_draft
-
     drill("bad-input", "eval.py --draft <7-position block draft> " + " ".join(args))
     draft = make_block_draft(tmp_path / "draft", markov_rank=4, confidence=True, gamma=7)
     out = tmp_path / "eval"
@@ -157,8 +169,6 @@ def test_eval_block_size_limit_is_the_block_drafts_own(tmp_path):
     """--block-size up to the block draft's block_size passes, and an Eagle3 chain drafts as many steps as asked."""
     from types import SimpleNamespace
 
-    from test_export import make_block_draft, make_eagle3_draft
-
     cli = eval_cli()
     block = make_block_draft(tmp_path / "block", markov_rank=0, gamma=7)
     eagle3 = make_eagle3_draft(tmp_path / "eagle3")  # ttt_length 3
@@ -167,3 +177,118 @@ def test_eval_block_size_limit_is_the_block_drafts_own(tmp_path):
                                lookup_first=0, draft=str(draft), sts=None, schedule="fixed", live=False,
                                dataset="mtbench", dataset_path=None, target="smollm2-135m-instruct")
         assert cli.argument_problems(args) == []
+
+
+def test_the_default_recipes_pass_the_checks(tmp_path):
+    """What the checks below refuse must leave every SmolLM2 recipe's own values alone (the block mask's bound, the
+    eval set against the training sources)."""
+    for name in ("dspark_smollm2_135m", "dflash_smollm2_135m", "eagle3_smollm2_135m", "dspark_smollm2_135m_codemix"):
+        assert check_inputs(load_recipe(name), ["regenerate", "cache", "train", "eval", "export"], tmp_path / name,
+                            1) == [], name
+
+
+@pytest.mark.parametrize("eval_set,sets,refused", [
+    ("file", {}, True),  # the eval reads every row of the file it trains on, whatever data.holdout_fraction says
+    ("file spelt another way", {}, True),
+    ("file", {"eval.allow_training_prompts": "true"}, False),  # the overfit gate measures exactly that
+    ("wordmath", {"data.sources": "[{name: wordmath}]"}, False),  # its held-out 5%
+    ("wordmath", {"data.sources": "[{name: wordmath}]", "data.holdout_fraction": 0}, True),
+    ("mtbench", {"data.holdout_fraction": 0}, False),  # not a training source
+])
+def test_an_eval_set_of_training_prompts_is_refused_up_front(eval_set, sets, refused, tiny_qwen3, prompt_file,
+                                                              tmp_path, drill):
+    drill("bad-input", f"eval.dataset {eval_set} with {sets}")
+    dataset = {"file": str(prompt_file), "file spelt another way": f"{prompt_file.parent}/./{prompt_file.name}"}
+    recipe = load_recipe("dspark_qwen3_8b", [f"{k}={v}" for k, v in {
+        "target.name_or_path": tiny_qwen3, "data.sources": f"[{{name: '{prompt_file}'}}]",
+        "eval.dataset": dataset.get(eval_set, eval_set), **sets}.items()])
+    problems = [p for p in check_inputs(recipe, ["train", "eval"], tmp_path / "run", 1) if "training prompts" in p]
+    assert bool(problems) == refused, problems
+    if refused:
+        assert "data.sources[0]" in problems[0] and "eval.allow_training_prompts" in problems[0]
+
+
+@pytest.mark.parametrize("urls,says", [
+    ("['alice:s3cret@10.1.2.3:30000/v1?key=abc']",
+     "regen.server_urls[0]: '<redacted>@10.1.2.3:30000/v1?<redacted>' is not an http(s) URL"),
+    ("http://alice:s3cret@10.1.2.3:30000/v1?key=abc",
+     "regen.server_urls: expected a list of str, got str 'http://<redacted>@10.1.2.3:30000/v1?<redacted>'"),
+    ("[http://alice:s3cret@10.1.2.3:30000/v1?key=abc", "regen.server_urls=[http://<redacted>@10.1.2.3:30000/v1"),
+], ids=["no scheme", "not a list", "not YAML"])
+def test_an_invalid_server_url_is_refused_without_its_password(urls, says, tiny_qwen3, prompt_file, tmp_path, capsys,
+                                                                drill):
+    drill("bad-input", f"regen.server_urls {urls}, holding a password")
+    out = tmp_path / "run"
+    sets = {"regen.backend": "openai", "regen.server_urls": urls}
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file, **sets)) == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+    assert "s3cret" not in err and "abc" not in err
+    assert not out.exists()
+
+
+def test_an_out_below_a_file_is_refused(tiny_qwen3, prompt_file, tmp_path, capsys, drill):
+    drill("bad-input", "--out file/sub")
+    (tmp_path / "file").write_text("keep")
+    out = tmp_path / "file" / "sub"
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file)) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: {tmp_path / 'file'} is a file, not a folder" in err, err
+    assert (tmp_path / "file").read_text() == "keep"
+
+
+def test_a_prompt_file_of_null_is_refused_not_a_crash(tmp_path, drill):
+    """`null` alone used to crash the JSON reader (exit code 139, no message)."""
+    drill("bad-input", "a prompt file holding only null")
+    prompts = tmp_path / "null.json"
+    prompts.write_text("null")
+    out = tmp_path / "run"
+    done = run_cli(["--recipe", "dspark_smollm2_135m", "--stages", "regenerate", "--out", str(out), "--set",
+                    f"data.sources=[{{name: '{prompts}'}}]", "--set", "data.allow_fewer=true"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"error: {prompts}: neither a JSON array of rows nor JSON Lines" in done.stderr, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert not (out / "recipe.yaml").exists()  # a refused run leaves no recipe behind
+
+
+def finished_train(out):
+    """A run folder whose train stage is done: train/final as training leaves it (with its checksums)."""
+    final = make_block_draft(out / "train" / "final", markov_rank=0, sample_from_anchor=False)
+    write_checksums(final)
+    (out / "train" / "DONE.json").write_text("{}")
+    (out / "recipe.yaml").write_text("# the recipe its stages were made with\n")
+    return final
+
+
+def test_a_damaged_draft_is_an_error_line_and_the_recipe_stays(tiny_qwen3, prompt_file, tmp_path, capsys, drill):
+    """A flipped byte in train/final used to end `--stages export` in a ValueError traceback (exit code 1), after
+    recipe.yaml had been rewritten with the refused run's settings."""
+    drill("bad-input", "export of a damaged train/final, with other train settings")
+    out = tmp_path / "run"
+    weights = finished_train(out) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "export", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file, **{"train.lr": 0.005, "train.max_steps": 999})) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {weights} is damaged") and "Traceback" not in err, err
+    assert (out / "recipe.yaml").read_text() == "# the recipe its stages were made with\n"
+    assert not (out / "export").exists()
+
+
+def test_the_export_stage_refuses_a_folder_holding_other_files_with_the_pipelines_advice(tiny_qwen3, prompt_file,
+                                                                                         tmp_path, capsys, drill):
+    drill("bad-input", "a user's file in the run's export/sglang")
+    out = tmp_path / "run"
+    finished_train(out)
+    (out / "export" / "sglang").mkdir(parents=True)
+    (out / "export" / "sglang" / "notes.txt").write_text("mine")
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "export", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    assert f"{out / 'export' / 'sglang'} also holds notes.txt" in err and "--overwrite" not in err, err
+    assert (out / "export" / "sglang" / "notes.txt").read_text() == "mine"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import ROOT, eval_cli
-from eval.run import EvalSettings, ScheduleError, acceptance_metrics, round_timing, run_eval
+from data.prompts import eval_prompts, is_holdout
+from eval.run import EvalSettings, ScheduleError, acceptance_metrics, round_timing, run_eval, run_eval_stage
 from eval.spec_decode import RoundRecord
 from export.serving import save_sts
 from modeling.target import load_target
@@ -95,6 +96,19 @@ def test_eval_too_short_to_calibrate_still_writes_its_report(random_dspark, tiny
     assert "1 round, too few" in report["calibration_skipped"] and "--max-new-tokens" in report["calibration_skipped"]
     assert "## Calibration and scheduler simulation: skipped" in (out / "report.md").read_text()
     assert "calibration and scheduler simulation skipped" in capsys.readouterr().out
+
+
+def test_the_eval_stage_draws_the_held_out_split_training_left_out(random_dspark, tiny_qwen3, tmp_path):
+    """The eval stage's prompts of a training source are its held-out split under the recipe's own
+    data.holdout_fraction and seed (it used to draw the default 5% whatever the recipe said)."""
+    recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", "data.sources=[{name: wordmath}]",
+                                             "data.holdout_fraction=0.01", "eval.dataset=wordmath",
+                                             "eval.num_samples=2", "eval.max_new_tokens=2",
+                                             "eval.ngram_baseline=false"])
+    report = run_eval_stage(recipe, random_dspark, tmp_path / "eval", load_target(str(tiny_qwen3)))
+    expected = [p.id for p in eval_prompts("wordmath", 2, recipe.seed, holdout_fraction=0.01)]
+    assert [s["id"] for s in report["samples"]] == expected
+    assert all(is_holdout(i, 0.01, recipe.seed) for i in expected)
 
 
 def test_confidence_schedule_run_is_exact_and_reports_what_it_verified(random_dspark, tiny_qwen3, prompt_file,

@@ -192,3 +192,27 @@ def test_smollm2_target_regenerates_and_caches(tmp_path, capsys):
         cached = model.lm_head(sample["last_hidden_state"].float())
     agree = (logits.argmax(-1) == cached.argmax(-1)).float().mean().item()
     assert agree > 0.95  # bf16 storage may flip near-ties only
+
+
+def test_a_run_that_did_work_and_then_crashed_keeps_its_recipe(tiny_qwen3, prompt_file, tmp_path, monkeypatch, drill):
+    """recipe.yaml is the recipe a folder's stages were last made with: a refused run leaves it as it was
+    (tests/test_bad_inputs.py), a run whose stage pinned and wrote its folder before a crash leaves the new one."""
+    import export.convert
+    from core.io import write_checksums
+    from test_export import make_block_draft
+
+    drill("bad-input", "a crash after the export stage wrote its folder")
+    out = tmp_path / "run"
+    write_checksums(make_block_draft(out / "train" / "final", markov_rank=0, sample_from_anchor=False))
+    (out / "train" / "DONE.json").write_text("{}")
+    (out / "recipe.yaml").write_text("# an earlier recipe\n")
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("a bug after the export was written")
+
+    monkeypatch.setattr(export.convert, "sps_profile_note", crash)
+    with pytest.raises(RuntimeError, match="a bug after the export"):
+        main(["--recipe", "dspark_qwen3_8b", "--stages", "export", "--out", str(out)]
+             + tiny_overrides(tiny_qwen3, prompt_file, **{"train.lr": 0.005}))
+    assert (out / "export" / "sglang" / "model.safetensors").is_file()
+    assert "lr: 0.005" in (out / "recipe.yaml").read_text()  # what export/settings.json was pinned with

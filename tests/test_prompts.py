@@ -317,6 +317,35 @@ def test_bad_row_shape_error(tmp_path):
         assert shape in msg
 
 
+def test_a_null_prompt_is_named_not_keys_seen_nothing(tmp_path, drill):
+    """{"prompt": null} used to be refused as 'unrecognised row shape (keys seen: [])'."""
+    drill("bad-input", 'a prompt file row {"prompt": null}')
+    path = write_jsonl(tmp_path / "p6.jsonl", [{"prompt": None}])
+    with pytest.raises(ValueError) as err:
+        load_source(path)
+    assert f"{path}: row 1: 'prompt' is null or missing" in str(err.value), str(err.value)
+    assert "keys seen: []" not in str(err.value)
+
+
+@pytest.mark.parametrize("text", ["1", '"just a prompt"', "true\n", "3.5\n{}"])
+def test_a_file_whose_top_level_is_not_rows_is_refused_naming_it(tmp_path, text, drill):
+    """A scalar at the top level (`null` alone crashed the datasets reader: tests/test_bad_inputs.py) is neither a JSON
+    array of rows nor JSON Lines: refused naming the file, not read as rows that are not objects."""
+    drill("bad-input", f"a prompt file holding {text!r}")
+    path = tmp_path / "scalar.json"
+    path.write_text(text)
+    for read in (readers.read_json_rows, readers.read_json_rows_python):
+        with pytest.raises(ValueError, match="neither a JSON array of rows nor JSON Lines") as err:
+            read(path)
+        assert str(path) in str(err.value)
+
+
+def test_weights_summing_past_the_largest_float_are_refused(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered_rows("a", 10))
+    with pytest.raises(ValueError, match="the source weights sum to inf"):
+        load_prompts([Src(a, weight=1e308), Src(a, weight=1e308)], 4, 0.0, 0)
+
+
 def test_message_without_role_is_a_shape_error(tmp_path):
     path = write_jsonl(tmp_path / "norole.jsonl", [{"conversations": [{"text": "hi"}]}])
     with pytest.raises(ValueError, match=r"row 1.*role"):

@@ -5,8 +5,10 @@ across processes. (The end-to-end resumes are in tests/test_trainer.py.)"""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections import namedtuple
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -135,6 +137,23 @@ def test_checkpoint_is_on_disk_before_latest_names_it(tmp_path, monkeypatch):
     assert files and files <= synced, files - synced
     assert "ema.pt" in json.loads((path / "checksums.json").read_text())  # a damaged average is refused on resume
     assert checkpoint.read_average(path).keys() == average.keys()
+
+
+def test_a_full_disk_is_refused_before_train_final_is_published(tmp_path, monkeypatch, drill):
+    """The last checkpoint is copied to train/final at the end: checked for room first, like each checkpoint."""
+    drill("disk-full", "free space checked before train/final")
+    root = tmp_path / "train" / "checkpoints"
+    make_checkpoints(root, [2], latest="step-0000002")
+    (root / "step-0000002" / "draft").mkdir()
+    (root / "step-0000002" / "draft" / "model.safetensors").write_bytes(b"w" * 10_000)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 4096, 4096))
+    job = SimpleNamespace(recipe=SimpleNamespace(train=SimpleNamespace(max_steps=2, ema_decay=0.0)),
+                          out_dir=tmp_path / "train", dist=Dist())
+    with pytest.raises(OSError, match="not enough free space for the final draft") as refused:
+        trainer.finish(job, root, None, {"loss": 1.0})
+    assert "10,000 bytes" in str(refused.value) and "4,096 bytes" in str(refused.value)
+    assert not (tmp_path / "train" / "final").exists() and not (tmp_path / "train" / "DONE.json").exists()
 
 
 def test_pruning_keeps_what_latest_names_and_leaves_newer_half_written_folders(tmp_path):

@@ -71,7 +71,7 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",
                               **options,
                               **{"train.max_steps": 10, "train.save_every": 5, "train.keep_checkpoints": 0,
-                                 "eval.dataset": str(prompt_file),
+                                 "eval.dataset": str(prompt_file), "eval.allow_training_prompts": "true",
                                  "eval.num_samples": 2, "eval.max_new_tokens": 8, "train.wandb_project": "ds-test"}))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metrics(out)
@@ -242,8 +242,8 @@ def test_eval_and_export_stages_run_again_when_their_inputs_change(prepared, tin
     from pipeline import main
 
     out = copy_run(prepared, "dspark", tmp_path / "run")
-    evals = {"eval.dataset": str(prompt_file), "eval.num_samples": 2, "eval.max_new_tokens": 6,
-             "eval.ngram_baseline": False}
+    evals = {"eval.dataset": str(prompt_file), "eval.allow_training_prompts": "true", "eval.num_samples": 2,
+             "eval.max_new_tokens": 6, "eval.ngram_baseline": False}
 
     def run(**extra):
         assert main(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",

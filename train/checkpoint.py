@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from core.dist import Dist, fault_point
-from core.io import (atomic_open, atomic_write_text, fresh_dir, require_free_space, sync_tree, verify_checksums,
-                     write_checksums, write_failure)
+from core.io import (DamagedFileError, atomic_open, atomic_write_text, fresh_dir, require_free_space, sync_tree,
+                     verify_checksums, write_checksums, write_failure)
 from modeling.registry import read_draft_weights
 from train.ema import averaged_weights
 
@@ -127,13 +127,14 @@ def load_tensors(path: Path, map_location="cpu") -> dict:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise ValueError(f"{path} holds more than tensors and plain values, refused (unpickling it could run code); "
-                         f"it is not a checkpoint this trainer wrote. Delete its checkpoint folder and write the name "
-                         f"of another one into the checkpoints' `latest` file. ({str(err).splitlines()[0]})") from None
+        raise DamagedFileError(f"{path} holds more than tensors and plain values, refused (unpickling it could run "
+                               f"code); it is not a checkpoint this trainer wrote. Delete its checkpoint folder and "
+                               f"write the name of another one into the checkpoints' `latest` file. "
+                               f"({str(err).splitlines()[0]})") from None
     except (RuntimeError, EOFError) as err:  # torch names no file when the zip is cut short or damaged
-        raise ValueError(f"{path} is unreadable (truncated or corrupt: {str(err).splitlines()[0]}). Delete its "
-                         f"checkpoint folder and write the name of an older one into the checkpoints' `latest` "
-                         f"file, or delete the checkpoints to train from step 0") from None
+        raise DamagedFileError(f"{path} is unreadable (truncated or corrupt: {str(err).splitlines()[0]}). Delete "
+                               f"its checkpoint folder and write the name of an older one into the checkpoints' "
+                               f"`latest` file, or delete the checkpoints to train from step 0") from None
 
 
 #: the classes DeepSpeed ZeRO-1/2 pickles into its optimizer states besides tensors and plain values
@@ -172,10 +173,10 @@ def published_weights(path: Path) -> dict:
 def load_checkpoint(engine, module, optimizer, path: Path) -> dict:
     try:
         verify_checksums(path, required=True)  # save_checkpoint always writes one
-    except ValueError as err:
-        raise ValueError(f"{err}: refusing to resume from it. Delete {path} and write the name of an older "
-                         f"checkpoint into the checkpoints' `latest` file, or delete the checkpoints to train from "
-                         f"step 0") from None
+    except DamagedFileError as err:
+        raise DamagedFileError(f"{err}: refusing to resume from it. Delete {path} and write the name of an older "
+                               f"checkpoint into the checkpoints' `latest` file, or delete the checkpoints to train "
+                               f"from step 0") from None
     state = load_tensors(path / "trainer_state.pt")
     if engine.kind == "deepspeed":
         _safe_deepspeed_loads(engine.module)

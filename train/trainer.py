@@ -33,7 +33,8 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from core import stage
-from core.io import CHECKSUMS_NAME, atomic_write_text, make_dir, open_append, publish_dir, write_checksums
+from core.io import (CHECKSUMS_NAME, DamagedFileError, atomic_write_text, make_dir, open_append, publish_dir,
+                     require_free_space, write_checksums)
 from data.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
 from modeling.draft_folder import WEIGHTS_NAME
@@ -198,8 +199,8 @@ def read_metrics_lines(path: Path) -> list[str]:
             if number == len(lines):
                 print(f"[train] {path}: dropping its cut-off last line {number} ({line[:60]!r})", flush=True)
                 break
-            raise ValueError(f"{path}: line {number} is not a metrics row ({err}): the file is corrupt; delete it "
-                             f"(the run resumes from its checkpoint and logs the steps from there)") from None
+            raise DamagedFileError(f"{path}: line {number} is not a metrics row ({err}): the file is corrupt; delete "
+                                   f"it (the run resumes from its checkpoint and logs the steps from there)") from None
         rows.append(line)
     return rows
 
@@ -460,6 +461,8 @@ def finish(job: TrainJob, ckpt_root: Path, first: dict | None, last: dict) -> di
     final = latest_checkpoint(ckpt_root)
     stats = {"steps": train.max_steps, "first": first, "last": last, "checkpoint": str(final)}
     if dist.is_main:
+        draft = sum(p.stat().st_size for p in (final / "draft").rglob("*") if p.is_file())  # ema: the same tensors
+        require_free_space(job.out_dir, draft, "the final draft train/final")
         with publish_dir(job.out_dir / "final") as tmp:  # what eval and export read
             shutil.copytree(final / "draft", tmp, dirs_exist_ok=True)
             if train.ema_decay > 0:
