@@ -108,13 +108,30 @@ def argument_problems(args) -> list[str]:
             load_sts(args.sts)
         except (OSError, ValueError) as exc:
             problems.append(f"--sts {args.sts}: {exc}")
-    dataset_problem = source_problem(args.dataset, args.dataset_path)
+    dataset_problem = source_problem(args.dataset, args.dataset_path) or prompt_file_problem(args)
     if dataset_problem:
         problems.append(f"--dataset: {dataset_problem}")
-    if args.target.startswith(("/", ".", "~")) and not Path(args.target).expanduser().is_dir():
-        problems.append(f"--target {args.target}: no such model folder (a local HF checkpoint, a hub id like "
-                        f"Qwen/Qwen3-8B, or smollm2-135m-instruct)")
+    from modeling.target import target_path_problem  # torch: imported once the cheap checks passed
+
+    target_problem = target_path_problem(args.target)
+    if target_problem:
+        problems.append(f"--target: {target_problem}")
     return problems
+
+
+def prompt_file_problem(args) -> str | None:
+    """A local prompt file is read before the target loads (a few prompts; the file named in any error): one that is
+    not prompts (`null`, rows without a prompt) is refused here, not after the target loaded."""
+    if not Path(args.dataset).is_file():
+        return None
+    from core.io import DamagedFileError
+    from data.prompts import eval_prompts
+
+    try:
+        eval_prompts(args.dataset, args.num_samples, args.seed, path=args.dataset_path)
+    except (DamagedFileError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def main(argv=None) -> int:

@@ -118,7 +118,11 @@ EVAL_CASES = [
     (["--draft", "/nonexistent/draft"], "--draft /nonexistent/draft: not a draft folder"),
     (["--dataset", "mtbenhc"], "Did you mean 'mtbench'?"),
     (["--dataset", "/nonexistent/prompts.jsonl"], "--dataset: file /nonexistent/prompts.jsonl not found"),
-    (["--target", "/nonexistent/model"], "--target /nonexistent/model: no such model folder"),
+    (["--target", "/nonexistent/model"], "--target: no such model folder '/nonexistent/model'"),
+    # a relative folder that is not there reads as a hub id: it used to end in the hub's OSError after loading
+    (["--target", "models/mine"], "--target: no local folder 'models/mine', and the hub is offline"),
+    # used to segfault (rc 139) reading the file, after the target loaded
+    (["--dataset", "NULL_FILE"], "it starts with 'null'"),
     (["--schedule", "confidence"], "--schedule confidence needs a DSpark draft folder"),
     (["--sts", "/nonexistent/sts.json"], "--sts calibrates the confidence schedule"),
     (["--schedule", "confidence", "--sts", "/nonexistent/sts.json"], "--sts /nonexistent/sts.json: [Errno 2]"),
@@ -133,6 +137,8 @@ def test_eval_cli_refuses_bad_arguments_before_loading_anything(args, fragment, 
     cli = eval_cli()
     defaults = {"--draft": "ngram", "--target": "smollm2-135m-instruct", "--dataset": "mtbench"}
     argv = [arg for flag, value in defaults.items() if flag not in args for arg in (flag, value)]
+    (tmp_path / "null.json").write_text("null")
+    args = [str(tmp_path / "null.json") if arg == "NULL_FILE" else arg for arg in args]
     out = tmp_path / "eval"
     with pytest.raises(SystemExit) as refused:
         cli.main(argv + args + ["--out", str(out)])
