@@ -111,12 +111,12 @@ def argument_problems(args) -> list[str]:
     dataset_problem = source_problem(args.dataset, args.dataset_path) or prompt_file_problem(args)
     if dataset_problem:
         problems.append(f"--dataset: {dataset_problem}")
-    from modeling.target import target_path_problem  # torch: imported once the cheap checks passed
+    if problems:
+        return problems  # before the target's check imports torch: a bad argument answers at once
+    from modeling.target import target_path_problem
 
     target_problem = target_path_problem(args.target)
-    if target_problem:
-        problems.append(f"--target: {target_problem}")
-    return problems
+    return [f"--target: {target_problem}"] if target_problem else []
 
 
 def prompt_file_problem(args) -> str | None:

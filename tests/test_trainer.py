@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import run_cli, tiny_overrides
+from core import stage
 from core.dist import Dist
 from core.io import write_checksums
 from core.recipe import load_recipe
@@ -114,7 +115,10 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["exact_match"] == 1.0 and report["block_size"] == 3
     assert report["draft_vocab_size"] == (512 if family == "dspark" else None)
-    assert json.loads((out / "eval" / "DONE.json").read_text()) == {"accept_len": report["accept_len"]}
+    eval_done = json.loads((out / "eval" / "DONE.json").read_text())
+    assert eval_done["accept_len"] == report["accept_len"]
+    recorded = set(eval_done["outputs"])  # the report, and what export ships, recorded by size and sha256
+    assert "report.json" in recorded and ("sts.json" in recorded) == (out / "eval" / "sts.json").is_file()
     assert "[eval]" in done.stdout and f"tau {report['accept_len']:.3f}" in done.stdout
     # and the export stage wrote the SGLang checkpoint of the family's serving algorithm
     exported = json.loads((out / "export" / "sglang" / "config.json").read_text())
@@ -265,6 +269,7 @@ def test_eval_and_export_stages_run_again_when_their_inputs_change(prepared, tin
     weights["fc.weight"] = weights["fc.weight"] * 0.5
     save_file(weights, str(final))
     write_checksums(final.parent)  # as training records a folder it publishes (else refused as damaged)
+    stage.mark_done(out / "train", stage.read_done(out / "train"), outputs=["final/checksums.json"])
     printed, _ = run(**{"eval.max_new_tokens": 9})
     assert "draft_sha256" in printed and "eval is complete" not in printed.replace(str(out / "eval"), "eval")
     exported = load_file(str(out / "export" / "sglang" / "model.safetensors"))
