@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype is None and (target is None or target_config_dtype(target) is None):
         why = "no --verifier and no run recipe.yaml" if target is None else f"{target}'s config is not readable here"
         print(f"note: {why}: the export is in the draft's own dtype, {dtype}, and the command runs the target in it "
-              f"too. Re-export with --verifier <target> or --dtype to serve in the target's dtype", file=sys.stderr)
+              f"too (bfloat16 for float32 on SGLang's GPU kernels). Re-export with --verifier <target> or --dtype to "
+              f"serve in the target's dtype", file=sys.stderr)
     print(f"serve it with:\n  {serve_command(args.checkpoint, args.to, out, target, args.algorithm)}", file=sys.stderr)
     for note in serve_notes(args.checkpoint, args.to, out, target, args.algorithm):
         print(f"note: {note}", file=sys.stderr)

