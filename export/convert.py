@@ -35,11 +35,10 @@ from safetensors.torch import save_file
 from core import stage
 from core.dist import fault_point
 from core.io import LinkedPathError, link_problem, publish_dir, sha256_file
-from core.recipe import RecipeError, load_recipe
 from core.server import ENGINES, SERVING_ALGORITHMS
 from export.serving import (SERVING_DTYPES, SPS_FILENAME, STS_FILENAME, SpsTable, check_sps_range, check_sts_length,
-                            covers_sglang_batches, detect_algorithm, load_sts, serve_command, serves_as_dflash,
-                            sps_profile_note)
+                            covers_sglang_batches, detect_algorithm, load_sts, run_folder, run_recipe, serve_command,
+                            serve_notes, serves_as_dflash)
 from modeling.dspark import block_length
 from modeling.registry import (CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config,
                                read_draft_weights)
@@ -302,26 +301,10 @@ def declare_dtype(config: dict, dtype: str) -> None:
     config["dtype"] = config["torch_dtype"] = dtype
 
 
-def run_folder(checkpoint_dir) -> Path | None:
-    """The pipeline run a draft folder belongs to: runs/R for runs/R/train/final or runs/R/opd/final (a folder
-    holding the run's recipe.yaml); None for any other folder."""
-    checkpoint_dir = Path(checkpoint_dir).resolve()
-    run = checkpoint_dir.parent.parent
-    if checkpoint_dir.name == "final" and checkpoint_dir.parent.name in ("train", "opd") \
-            and (run / "recipe.yaml").is_file():
-        return run
-    return None
-
-
 def run_target(checkpoint_dir) -> str | None:
     """The target of the run a draft folder belongs to (its recipe.yaml), None outside a run."""
-    run = run_folder(checkpoint_dir)
-    if run is None:
-        return None
-    try:
-        return load_recipe(str(run / "recipe.yaml")).target.name_or_path
-    except RecipeError:
-        return None
+    recipe = run_recipe(checkpoint_dir)
+    return None if recipe is None else recipe.target.name_or_path
 
 
 def _eval_of(checkpoint_dir: Path) -> Path | None:
@@ -528,9 +511,9 @@ def run_export_stage(draft_dir: Path, export_dir: Path, target_name: str, sts_pa
         path = export_draft(draft_dir, "sglang", Path(export_dir) / "sglang", sts_path=sts_path,
                             sps_path=shippable_sps(sps_path, read_config(draft_dir)), verifier=target, overwrite=True)
         done = {"path": str(path), "command": serve_command(draft_dir, "sglang", path, target)}
-        note = sps_profile_note(draft_dir, "sglang", path, target)
-        if note:
-            done["note"] = note
+        notes = serve_notes(draft_dir, "sglang", path, target)
+        if notes:
+            done["note"] = "\n".join(notes)
         stage.mark_done(export_dir, done)
     if done.get("note"):
         print(f"[export] {done['note']}", flush=True)

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # torch and the models: after --help and argument errors
     from export.convert import export_draft, run_target, target_config_dtype
-    from export.serving import declared_dtype, serve_command, sps_profile_note
+    from export.serving import declared_dtype, serve_command, serve_notes
     from modeling.registry import read_config
     from modeling.target import resolve_target
 
@@ -74,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtype is None and (target is None or target_config_dtype(target) is None):
         why = "no --verifier and no run recipe.yaml" if target is None else f"{target}'s config is not readable here"
         print(f"note: {why}: the export is in the draft's own dtype, {dtype}, and the command runs the target in it "
-              f"too. Re-export with --verifier <target> or --dtype to serve in the target's dtype", file=sys.stderr)
+              f"too (bfloat16 for float32 on SGLang's GPU kernels). Re-export with --verifier <target> or --dtype to "
+              f"serve in the target's dtype", file=sys.stderr)
     print(f"serve it with:\n  {serve_command(args.checkpoint, args.to, out, target, args.algorithm)}", file=sys.stderr)
-    note = sps_profile_note(args.checkpoint, args.to, out, target, args.algorithm)
-    if note:
+    for note in serve_notes(args.checkpoint, args.to, out, target, args.algorithm):
         print(f"note: {note}", file=sys.stderr)
     return 0
 

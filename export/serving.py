@@ -2,8 +2,10 @@
 
 * which serving algorithm a draft runs as (`detect_algorithm`: EAGLE3, DFLASH or DSPARK);
 * the SGLang 0.5.23 and vLLM command lines that serve an export (`sglang_command`, `vllm_command`, `serve_command`):
-  the dtype the export declares (`declared_dtype`) named explicitly, absolute paths, and with the ragged-verify mode
-  an attention backend that implements it;
+  the dtype the export declares (`declared_dtype`) named explicitly (bfloat16 on SGLang's GPU kernels for a float32
+  export: `sglang_dtype`), absolute paths, with the ragged-verify mode an attention backend that implements it on the
+  GPU at hand (`ragged_verify_backend`), and the chat-template mode the draft was trained in as the server's default
+  (`trained_chat_template_kwargs`); `serve_notes` says what the command cannot;
 * the two files a DSpark export ships for SGLang's confidence scheduler: the STS calibration
   (`--speculative-dspark-confidence-sts-path`, `save_sts` / `load_sts`, one temperature per draft position:
   `check_sts_length`) and the SPS cost table (`--speculative-dspark-sps-table-path`, `SpsTable`). eval/ computes
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 import shlex
@@ -21,10 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from core.io import atomic_write_json, read_json
+from core.recipe import RecipeError, load_recipe
 from core.server import SERVING_ALGORITHMS, sglang_server_command, vllm_server_command
 from modeling.registry import read_config
+from modeling.target import load_tokenizer
 
 SGLANG_ALGORITHMS = {name: name.upper() for name in SERVING_ALGORITHMS}  # --speculative-algorithm's spelling
 STS_FILENAME = "sts.json"
@@ -35,17 +41,29 @@ SPS_FILENAME = "sps_table.json"
 # ragged_verify.py and dspark_components/dspark_planner.py in the wheel.
 RAGGED_VERIFY_ENV = "SGLANG_RAGGED_VERIFY_MODE"
 RAGGED_VERIFY_MODE = "compact"
-# Attention backends that implement ragged verify in SGLang 0.5.23 (any mode but `static`): FlashAttentionBackend
-# (`fa3`: SM80 and SM90, i.e. A100/L40S/H100/H200, MHA models such as Qwen3) and TRTLLMHAAttnBackend (`trtllm_mha`,
-# SM100) set `supports_ragged_verify_graph` and read the ragged layout. FlashInfer, the default on A100-class GPUs,
-# raises NotImplementedError("FlashInfer does not support ragged verify in cuda graph ..."); triton never reads the
-# layout. See srt/layers/attention/*_backend.py and attention_registry.py in the wheel.
-RAGGED_VERIFY_ATTENTION_BACKEND = "fa3"
+# Attention backends that implement ragged verify in SGLang 0.5.23 (any mode but `static`), by the serving GPU's
+# compute capability major: FlashAttentionBackend (`fa3`; its registry entry asserts SM80-SM90: A100, L40S, H100, H200)
+# and TRTLLMHAAttnBackend (`trtllm_mha`, SGLang's own default on SM100: B200, GB200) set `supports_ragged_verify_graph`
+# and read the ragged layout. FlashInfer, the default on A100-class GPUs, raises NotImplementedError("FlashInfer does
+# not support ragged verify in cuda graph ..."); triton never reads the layout. See attention_registry.py and
+# srt/layers/attention/*_backend.py in the wheel. Where no GPU is visible (an export on a CPU machine) the printed
+# command says fa3, and `serve_notes` names trtllm_mha for SM100.
+RAGGED_VERIFY_BACKENDS = {8: "fa3", 9: "fa3", 10: "trtllm_mha"}
+NO_GPU_RAGGED_VERIFY_BACKEND = "fa3"
+# FlashAttention 3 (SGLang's Hopper default and the backend above) and SGLang's other GPU attention kernels run
+# fp16/bf16/fp8 only: an export declaring float32 (its target's, e.g. SmolLM2's) is served in bfloat16 (SGLang casts the
+# draft's float32 weights as it loads them, and the target's).
+SGLANG_FLOAT32_SERVING_DTYPE = "bfloat16"
 # SGLang 0.5.23 caps a DSpark server at 48 running requests unless --max-running-requests says otherwise
 # (srt/arg_groups/speculative_hook.py); each verifies up to gamma+1 tokens, so the SPS planner looks up batches of up
 # to 48 x (gamma+1) tokens and clamps anything past the table's last probe to that probe's value.
 SGLANG_DSPARK_MAX_RUNNING_REQUESTS = 48
 SPS_PROFILER = "sglang.benchmark.dspark_sps_profiler"  # SGLang's own profiler of the serving engine's verify steps
+# The server SGLang's profiler measures: static mode, recording its steps, and every draft rejected (its
+# `fetch_server_context` refuses a server whose simulate_acc_len is not exactly 1.0; the value defaults to -1, off).
+SPS_RECORD_ENV = {RAGGED_VERIFY_ENV: "static", "SGLANG_DSPARK_ENABLE_SPS_RECORD": "1", "SGLANG_SIMULATE_ACC_LEN": "1.0"}
+# Both engines' flag for the chat-template arguments a request gets unless it sends its own.
+CHAT_TEMPLATE_DEFAULTS_FLAG = "--default-chat-template-kwargs"
 SERVING_DTYPES = ("bfloat16", "float16", "float32")
 STS_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after")  # SGLang's DSparkStsCalibration
 SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  # SGLang's SpsCostTable
@@ -80,19 +98,19 @@ def vllm_command(python: str, target: str, draft_dir: Path, method: str, num_tok
 
 
 def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, num_tokens: int, port: int, *,
-                   dtype: str, sts_path: Path | None = None, sps_path: Path | None = None, ragged_verify: bool = False,
-                   extra: tuple[str, ...] = ()) -> list[str]:
+                   dtype: str, sts_path: Path | None = None, sps_path: Path | None = None,
+                   attention_backend: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     """`python -m sglang.launch_server` for an exported draft. DFLASH/DSPARK read their block size from the draft's
-    config; EAGLE3 is a chain of `num_tokens` steps (top-k 1). `dtype` is the export's (`declared_dtype`): SGLang
-    builds the draft with the server's --dtype, and under `auto` it would run a draft whose config names none in
-    float16 beside a bfloat16 target, whose hidden states its fc does not cast. The DSpark STS/SPS files only take
-    effect with `sglang_env`'s ragged-verify mode set in the server's environment; `ragged_verify` (that mode is set)
-    adds an attention backend that implements it."""
+    config; EAGLE3 is a chain of `num_tokens` steps (top-k 1). `dtype` is the one to serve in (`sglang_dtype` of the
+    export's `declared_dtype`): SGLang builds the draft with the server's --dtype, and under `auto` it would run a draft
+    whose config names none in float16 beside a bfloat16 target, whose hidden states its fc does not cast. The DSpark
+    STS/SPS files only take effect with `sglang_env`'s ragged-verify mode set in the server's environment, which needs
+    an `attention_backend` that implements it (`ragged_verify_backend`)."""
     argv = sglang_server_command(python, target, port, dtype=dtype,
                                  extra=("--speculative-algorithm", SGLANG_ALGORITHMS[algorithm],
                                         "--speculative-draft-model-path", str(draft_dir)))
-    if ragged_verify:
-        argv += ["--attention-backend", RAGGED_VERIFY_ATTENTION_BACKEND]
+    if attention_backend is not None:
+        argv += ["--attention-backend", attention_backend]
     if algorithm == "eagle3":
         argv += ["--speculative-num-steps", str(num_tokens), "--speculative-eagle-topk", "1",
                  "--speculative-num-draft-tokens", str(num_tokens + 1)]
@@ -101,6 +119,27 @@ def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, nu
     if algorithm == "dspark" and sps_path is not None:
         argv += ["--speculative-dspark-sps-table-path", str(sps_path)]
     return argv + list(extra)
+
+
+def sglang_dtype(declared: str | None) -> str:
+    """The --dtype SGLang serves an export in on a GPU: its declared one, bfloat16 for float32 (no GPU attention kernel
+    of SGLang's runs float32: `SGLANG_FLOAT32_SERVING_DTYPE`), `auto` for an old export that declares none."""
+    if declared == "float32":
+        return SGLANG_FLOAT32_SERVING_DTYPE
+    return declared or "auto"
+
+
+def local_gpu_capability() -> tuple[int, int] | None:
+    """This machine's first GPU's compute capability, None without one: the serve command is printed for it."""
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+
+
+def ragged_verify_backend(capability: tuple[int, int] | None) -> str | None:
+    """The attention backend that runs ragged verify on a GPU of `capability` (`RAGGED_VERIFY_BACKENDS`), fa3 where no
+    GPU is visible, None on a GPU none of SGLang 0.5.23's is known to run it on (`serve_notes` says so)."""
+    if capability is None:
+        return NO_GPU_RAGGED_VERIFY_BACKEND
+    return RAGGED_VERIFY_BACKENDS.get(capability[0])
 
 
 def sglang_env(cfg: dict, algorithm: str) -> dict[str, str]:
@@ -135,22 +174,70 @@ def gamma_of(cfg: dict, algorithm: str) -> int:
     return int(cfg.get("ttt_length", 7) if algorithm == "eagle3" else cfg["block_size"])
 
 
+def run_folder(checkpoint_dir) -> Path | None:
+    """The pipeline run a draft folder belongs to: runs/R for runs/R/train/final or runs/R/opd/final (a folder
+    holding the run's recipe.yaml); None for any other folder."""
+    checkpoint_dir = Path(checkpoint_dir).resolve()
+    run = checkpoint_dir.parent.parent
+    if checkpoint_dir.name == "final" and checkpoint_dir.parent.name in ("train", "opd") \
+            and (run / "recipe.yaml").is_file():
+        return run
+    return None
+
+
+def run_recipe(checkpoint_dir):
+    """The recipe of the run a draft folder belongs to (its recipe.yaml), None outside a run."""
+    run = run_folder(checkpoint_dir)
+    if run is None:
+        return None
+    try:
+        return load_recipe(str(run / "recipe.yaml"))
+    except RecipeError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def switches_thinking(target: str) -> bool:
+    """Whether the target's chat template reads `enable_thinking` (Qwen3's thinks unless a request says otherwise);
+    False when its tokenizer cannot be read here."""
+    try:
+        template = load_tokenizer(target).chat_template
+    except Exception:  # noqa: BLE001 -- a hub id not cached offline, a folder without a tokenizer: no note, no flag
+        return False
+    return "enable_thinking" in str(template or "")
+
+
+def trained_chat_template_kwargs(checkpoint_dir, target: str | None) -> dict | None:
+    """{"enable_thinking": x}, the mode the draft's training conversations were rendered in (its run's
+    regen.enable_thinking), when the target's chat template has that switch: the serve command makes it every request's
+    default, since a request in the other mode gets answers the draft never learned (a lower accept length). None when
+    the template has no switch or the draft belongs to no run."""
+    recipe = run_recipe(checkpoint_dir)
+    if recipe is None or not switches_thinking(target or recipe.target.name_or_path):
+        return None
+    return {"enable_thinking": recipe.regen.enable_thinking}
+
+
 def _serve_argv(checkpoint_dir, to: str, out_dir, target: str | None, algorithm: str | None
                 ) -> tuple[dict[str, str], list[str]]:
-    """(environment, argv) that serve the export at `out_dir`: absolute paths (the server may start elsewhere),
-    the export's own dtype named explicitly."""
+    """(environment, argv) that serve the export at `out_dir` on this machine's GPU: absolute paths (the server may
+    start elsewhere), the export's own dtype named explicitly, the trained chat-template mode as the default."""
     cfg = read_config(checkpoint_dir)
     algorithm = algorithm or detect_algorithm(cfg)
     gamma = gamma_of(cfg, algorithm)
     out_dir = Path(out_dir).resolve()
-    dtype = declared_dtype(read_config(out_dir)) or "auto"
+    declared = declared_dtype(read_config(out_dir))
+    chat = trained_chat_template_kwargs(checkpoint_dir, target)
+    extra = (CHAT_TEMPLATE_DEFAULTS_FLAG, json.dumps(chat)) if chat else ()
     target = str(Path(target).resolve()) if target and Path(target).exists() else target or "<target model path or id>"
     if to == "vllm":
-        return {}, vllm_command("python", target, out_dir, algorithm, gamma, 8000, dtype=dtype)
+        return {}, vllm_command("python", target, out_dir, algorithm, gamma, 8000, dtype=declared or "auto",
+                                extra=extra)
     env = sglang_env(cfg, algorithm)
     sts, sps = sglang_serving_files(cfg, algorithm, out_dir)
-    return env, sglang_command("python", target, out_dir, algorithm, gamma, 30000, dtype=dtype, sts_path=sts,
-                               sps_path=sps, ragged_verify=bool(env))
+    backend = ragged_verify_backend(local_gpu_capability()) if env else None
+    return env, sglang_command("python", target, out_dir, algorithm, gamma, 30000, dtype=sglang_dtype(declared),
+                               sts_path=sts, sps_path=sps, attention_backend=backend, extra=extra)
 
 
 def _shell(env: dict[str, str], argv: list[str]) -> str:
@@ -166,8 +253,9 @@ def serve_command(checkpoint_dir, to: str, out_dir, target: str | None = None, a
 def sps_profile_note(checkpoint_dir, to: str, out_dir, target: str | None = None, algorithm: str | None = None
                      ) -> str | None:
     """For an SGLang export whose confidence scheduler runs without an SPS table: why none ships, and SGLang's own
-    profiler that makes one on the serving GPU (a server in `static` mode recording its steps, the profiler up to
-    SGLang's default running-request cap, then the serve command with the table). None when nothing is missing."""
+    profiler that makes one on the serving GPU (a server in `static` mode recording its steps with every draft
+    rejected, `SPS_RECORD_ENV`, the profiler up to SGLang's default running-request cap, then the serve command with
+    the table). None when nothing is missing."""
     env, argv = _serve_argv(checkpoint_dir, to, out_dir, target, algorithm)
     if to != "sglang" or not env or "--speculative-dspark-sps-table-path" in argv:
         return None
@@ -176,15 +264,60 @@ def sps_profile_note(checkpoint_dir, to: str, out_dir, target: str | None = None
     out_dir = Path(out_dir).resolve()
     table = out_dir.parent / f"{out_dir.name}-sps" / SPS_FILENAME  # the profiler writes records beside it
     port = argv[argv.index("--port") + 1]
-    record_env = {RAGGED_VERIFY_ENV: "static", "SGLANG_DSPARK_ENABLE_SPS_RECORD": "1"}
     profile = ["python", "-m", SPS_PROFILER, "all", "--base-url", f"http://127.0.0.1:{port}", "--max-batch-size",
                str(SGLANG_DSPARK_MAX_RUNNING_REQUESTS), "--out", str(table)]
     return (f"No SPS table ships with this export: DraftSmith's eval times its own batch-1 loop, while SGLang's "
             f"planner looks up verify steps of up to {SGLANG_DSPARK_MAX_RUNNING_REQUESTS} running requests x "
             f"(gamma+1) = {sglang_max_verify_tokens(gamma)} tokens on the serving GPU. Without one SGLang verifies "
-            f"every draft (no scheduling gain). To profile one on that GPU, start the server in static mode:\n"
-            f"  {_shell(record_env, argv)}\nrun SGLang's profiler against it:\n  {_shell({}, profile)}\nthen "
-            f"serve with the table:\n  {_shell(env, argv + ['--speculative-dspark-sps-table-path', str(table)])}")
+            f"every draft (no scheduling gain). To profile one on that GPU, start the server in static mode, recording "
+            f"its steps, every draft rejected:\n  {_shell(SPS_RECORD_ENV, argv)}\nrun SGLang's profiler against it:\n"
+            f"  {_shell({}, profile)}\nthen serve with the table:\n"
+            f"  {_shell(env, argv + ['--speculative-dspark-sps-table-path', str(table)])}")
+
+
+def serve_notes(checkpoint_dir, to: str, out_dir, target: str | None = None, algorithm: str | None = None
+                ) -> list[str]:
+    """What the printed serve command chose and cannot say itself: a float32 export served in bfloat16 by SGLang, the
+    attention backend for another GPU than this machine's, the chat-template mode the draft was trained in, and the
+    SPS profiling recipe (`sps_profile_note`)."""
+    env, argv = _serve_argv(checkpoint_dir, to, out_dir, target, algorithm)
+    notes = []
+    if to == "sglang" and declared_dtype(read_config(out_dir)) == "float32":
+        notes.append("The export declares float32, its target's dtype; SGLang's GPU attention kernels (FlashAttention 3, "
+                     "its Hopper default, among them) run fp16/bf16 only, so the command serves target and draft in "
+                     "bfloat16 (SGLang casts the float32 weights as it loads them): expect bf16 rounding against a "
+                     "float32 eval")
+    if to == "sglang" and env:
+        capability = local_gpu_capability()
+        if capability is None:
+            notes.append(f"No GPU is visible here, so the command names --attention-backend "
+                         f"{NO_GPU_RAGGED_VERIFY_BACKEND} for ragged verify: it runs on SM80-SM90 (A100, L40S, H100, "
+                         f"H200); on SM100 (B200, GB200) serve with --attention-backend {RAGGED_VERIFY_BACKENDS[10]} "
+                         f"instead (fa3 asserts there)")
+        elif ragged_verify_backend(capability) is None:
+            notes.append(f"No attention backend of SGLang 0.5.23 is known to run ragged verify on this SM"
+                         f"{capability[0]}{capability[1]} GPU (fa3: SM80-SM90, trtllm_mha: SM100): the command leaves "
+                         f"the backend to SGLang's default, which may refuse {RAGGED_VERIFY_ENV}={RAGGED_VERIFY_MODE}")
+    notes += _thinking_notes(checkpoint_dir, target)
+    sps = sps_profile_note(checkpoint_dir, to, out_dir, target, algorithm)
+    return notes + ([sps] if sps else [])
+
+
+def _thinking_notes(checkpoint_dir, target: str | None) -> list[str]:
+    chat = trained_chat_template_kwargs(checkpoint_dir, target)
+    if chat is not None:
+        mode = "with thinking" if chat["enable_thinking"] else "without thinking"
+        return [f"This draft was trained on answers generated {mode} (enable_thinking: "
+                f"{str(chat['enable_thinking']).lower()}), and the target's chat template switches on it: the command "
+                f"makes that every request's default ({CHAT_TEMPLATE_DEFAULTS_FLAG}). A client that sends "
+                f"chat_template_kwargs {{\"enable_thinking\": {str(not chat['enable_thinking']).lower()}}} gets answers "
+                f"the draft did not learn, and a lower accept length than the eval reported"]
+    if target and switches_thinking(target):
+        return ["The target's chat template switches thinking (enable_thinking) and this draft is not in a run folder, "
+                "so the mode it was trained in is unknown here: add "
+                f"{CHAT_TEMPLATE_DEFAULTS_FLAG} '{{\"enable_thinking\": false}}' to the command if its answers were "
+                "generated without thinking (the Qwen3 recipes'), so that clients get that mode by default"]
+    return []
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ CASES = [
     ({"regen.backend": "vllm", "regen.engine_python": "/nonexistent/python"}, "regenerate",
      ["regen.backend vllm: no python at '/nonexistent/python'", "make venv-vllm"]),
     ({"regen.backend": "sglang", "regen.engine_python": "/nonexistent/python"}, "regenerate",
-     ["regen.backend sglang: no python at '/nonexistent/python'", "install sglang there", "regen.engine_python"]),
+     ["regen.backend sglang: no python at '/nonexistent/python'", "make venv-sglang", "regen.engine_python"]),
     ({"regen.server_startup_s": 0}, "regenerate", ["regen.server_startup_s must be > 0, got 0"]),
     ({"draft.num_anchors": 0}, "train", ["draft.num_anchors must be > 0, got 0"]),
     ({"loss.ce_alpha": -1}, "train", ["loss.ce_alpha must be >= 0"]),
@@ -60,6 +60,10 @@ CASES = [
     ({"seed": -1}, "regenerate,cache,train,eval", ["seed must be in [0, 2**32)", "got -1"]),
     ({"draft.block_size": 100000}, "regenerate,cache,train", ["draft.block_size 100000", "GiB of activations",
                                                              "block drafters use 7-16"]),
+    # a cache the disk may not hold used to be refused by the cache stage, after 5-12 hours of regeneration
+    ({"data.num_prompts": 10**9, "data.allow_fewer": "true", "data.max_length": 4096}, "regenerate,cache",
+     ["train.hidden_states cache: not enough free space for the hidden-state cache (at most data.num_prompts "
+      "1,000,000,000 x data.max_length 4,096 tokens", "--set train.hidden_states=online", "--stages regenerate"]),
     ({"target.name_or_path": "/nonexistent/Qwen3-8B"}, "regenerate",
      ["target.name_or_path: no such model folder '/nonexistent/Qwen3-8B'"]),
     ({"target.name_or_path": "./models/qwen3"}, "regenerate", ["no such model folder './models/qwen3'"]),

@@ -153,7 +153,8 @@ def test_sps_table_shipped_and_serve_command_uses_it(tmp_path):
     assert json.loads((out / "sps_table.json").read_text())["sample_steps_per_sec"] == [100.0, 60.0]
     command = serve_command(ckpt, "sglang", out, "some/target")
     assert command.startswith("SGLANG_RAGGED_VERIFY_MODE=compact python -m sglang.launch_server ")
-    assert "--attention-backend fa3" in command and "--dtype float32" in command
+    # no GPU here: fa3 (the note names SM100's); the float32 draft is served in bfloat16 (SGLang's GPU kernels)
+    assert "--attention-backend fa3" in command and "--dtype bfloat16" in command
     assert f"--speculative-dspark-confidence-sts-path {out / 'sts.json'}" in command
     assert f"--speculative-dspark-sps-table-path {out / 'sps_table.json'}" in command
 
@@ -186,7 +187,8 @@ def test_sps_table_short_of_sglang_batches_is_not_shipped(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "python -m sglang.benchmark.dspark_sps_profiler all --base-url http://127.0.0.1:30000 " \
            "--max-batch-size 48" in err
-    assert "SGLANG_RAGGED_VERIFY_MODE=static SGLANG_DSPARK_ENABLE_SPS_RECORD=1 python -m sglang.launch_server" in err
+    assert "SGLANG_RAGGED_VERIFY_MODE=static SGLANG_DSPARK_ENABLE_SPS_RECORD=1 SGLANG_SIMULATE_ACC_LEN=1.0 python -m " \
+           "sglang.launch_server" in err
     cpu_table.save(tmp_path / "cpu-sps.json")
     with pytest.raises(ValueError, match=r"cpu-sps\.json: its largest probe is 128 batch tokens.*up to 240"):
         export_draft(ckpt, "sglang", tmp_path / "o2", sps_path=tmp_path / "cpu-sps.json")

@@ -392,3 +392,43 @@ def test_vllm_refusing_a_draft_fails_with_its_log_and_leaves_nothing(vllm_python
             pass
     assert "exited with code" in str(err.value) and "dspark" in str(err.value).lower()
     assert wait_gone(server.tag) == []
+
+
+def test_the_offline_target_is_freed_before_the_engine_starts(tiny_qwen3, prompt_file, tmp_path, monkeypatch):
+    """The live eval decodes offline first, then serves: by the time it exports the draft for the engine (the step
+    before the server starts), its offline target is garbage and the CUDA caching allocator was emptied, so the
+    server's KV pool gets that memory (G9: before, `del` alone left an 8B target's ~16 GB reserved in this process
+    beside SGLang). On CPU torch.cuda.empty_cache is recorded, not run: what it returns on a GPU was not measured."""
+    import weakref
+
+    import eval.live as live
+    from core.recipe import load_recipe
+    from modeling.target import load_target
+    from train.algorithms import BlockAlgorithm
+
+    recipe = load_recipe("dspark_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", "draft.num_layers=1",
+                                             "draft.markov_rank=8", "draft.block_size=3"])
+    BlockAlgorithm.build(recipe, load_target(str(tiny_qwen3)), None).save_draft(tmp_path / "draft")
+    loaded, emptied, seen = [], [], {}
+
+    def tracked_target(*args, **kwargs):
+        model = load_target(*args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model
+
+    class Stop(Exception):
+        pass
+
+    def export_draft(*args, **kwargs):
+        seen.update(target_alive=loaded[0]() is not None, emptied=len(emptied))
+        raise Stop
+
+    monkeypatch.setattr(live, "engine_python_problem", lambda *args: None)
+    monkeypatch.setattr(live, "load_target", tracked_target)
+    monkeypatch.setattr(live, "export_draft", export_draft)
+    monkeypatch.setattr(live.torch.cuda, "empty_cache", lambda: emptied.append(loaded[0]() is None))
+    with pytest.raises(Stop):
+        live.run_live_eval(engine="sglang", draft=str(tmp_path / "draft"), target_name=str(tiny_qwen3),
+                           dataset=str(prompt_file), out_dir=tmp_path / "out", num_samples=1, max_new_tokens=4)
+    assert seen == {"target_alive": False, "emptied": 1}
+    assert emptied == [True]  # emptied once the target was gone: the allocator can hand its blocks back

@@ -167,8 +167,9 @@ def test_printed_serve_command_is_accepted_by_sglang(sglang_oracle, capsys):
     assert report["args"]["speculative_dspark_confidence_sts_path"] == str(out / "sts.json")
     assert report["args"]["speculative_dspark_sps_table_path"] == str(out / "sps_table.json")
     assert report["args"]["model_path"] == "Qwen/Qwen3-8B"
-    # the draft's dtype named (no target config to read here: the draft's own), and a backend with ragged verify
-    assert (report["args"]["dtype"], report["args"]["attention_backend"]) == ("float32", "fa3")
+    # the draft's dtype (no target config to read here: the draft's own, float32) as SGLang's GPU kernels run it,
+    # bfloat16, and a backend with ragged verify
+    assert (report["args"]["dtype"], report["args"]["attention_backend"]) == ("bfloat16", "fa3")
     assert report["sts_temperatures"] == pytest.approx(STS_TEMPERATURES)
     assert report["sps_max_batch_tokens"] == SPS_TABLE.max_batch_tokens
 
