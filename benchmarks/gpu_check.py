@@ -47,6 +47,7 @@ SMALL = {
     # in-process regeneration: the tiny target's answers feed the training checks (--allow-cpu runs them on a CPU)
     "regen.backend": "hf",
     "regen.max_new_tokens": 24, "regen.batch_size": 4, "regen.temperature": 0, "cache.records_per_shard": 4,
+    "train.hidden_states": "cache",  # the Qwen3 recipes train online; the checks take the cache path, which has more
     "draft.num_layers": 1, "draft.num_anchors": 16, "draft.block_size": 4, "draft.draft_vocab_size": 2048,
     "draft.ttt_length": 3, "train.global_batch_size": 4, "train.max_steps": 6, "train.save_every": 2,
     "train.log_every": 1, "train.zero_stage": 2, "eval.num_samples": 4, "eval.max_new_tokens": 32,

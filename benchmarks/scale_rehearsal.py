@@ -121,6 +121,7 @@ def overrides(target: str, prompt_file: Path, count: int, url: str, args) -> lis
         "regen.batch_size": 64,
         "regen.max_concurrency": 16,
         "cache.batch_size": 64,  # a tiny target's forward is all per-op overhead: many rows per forward
+        "train.hidden_states": "cache",  # the cache stage is what the rehearsal measures (the recipe trains online)
         "draft.num_anchors": 16,
         "draft.markov_rank": 16,  # the head is 2 x rank x the 151,936-token vocabulary: 256 is 78M parameters a rank
         "train.max_steps": args.train_steps,

@@ -93,6 +93,7 @@ def tiny_overrides(tiny_qwen3, prompt_file, **extra):
         "data.min_loss_tokens": 1,
         "data.max_length": 128,
         "regen.backend": "hf",  # the Qwen3 recipes' sglang needs a GPU: the tiny runs regenerate in-process
+        "train.hidden_states": "cache",  # the Qwen3 recipes' default is online; the tiny runs check the cache stage
         "regen.max_new_tokens": 6,
         "regen.batch_size": 3,
         "cache.records_per_shard": 3,
