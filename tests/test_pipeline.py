@@ -210,7 +210,7 @@ def test_a_run_that_did_work_and_then_crashed_keeps_its_recipe(tiny_qwen3, promp
     def crash(*args, **kwargs):
         raise RuntimeError("a bug after the export was written")
 
-    monkeypatch.setattr(export.convert, "sps_profile_note", crash)
+    monkeypatch.setattr(export.convert, "serve_notes", crash)
     with pytest.raises(RuntimeError, match="a bug after the export"):
         main(["--recipe", "dspark_qwen3_8b", "--stages", "export", "--out", str(out)]
              + tiny_overrides(tiny_qwen3, prompt_file, **{"train.lr": 0.005}))
