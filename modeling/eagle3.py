@@ -46,7 +46,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from modeling.target import decoder_layers, init_fc_and_norm
+from modeling.target import decoder_layers, draft_rope, init_fc_and_norm
 from modeling.vocab import mapping_agrees
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -86,8 +86,7 @@ def build_eagle3_config(
         head_dim=head_dim,
         hidden_act=getattr(text, "hidden_act", "silu"),
         rms_norm_eps=text.rms_norm_eps,
-        # transformers 5 keeps rope_theta/rope_type/scaling in one dict; copy it so yarn/llama3 scaling carries over.
-        rope_parameters=dict(text.rope_parameters),
+        rope_parameters=draft_rope(text),  # yarn/llama3 scaling carries over
         vocab_size=text.vocab_size,
         max_position_embeddings=text.max_position_embeddings,
         # SGLang's EAGLE3 head is a plain Llama layer: no q/k norm (Qwen3) and no biases, whatever the target has.
