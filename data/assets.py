@@ -272,8 +272,8 @@ def _tiny_configs(hidden: int, layers: int, heads: int = 4, kv_heads: int = 2, h
     }
 
 
-#: The architectures `make_tiny_target` writes (the target-architecture matrix).
-TINY_ARCHITECTURES = tuple(_tiny_configs(64, 4))
+#: The architectures `make_tiny_target` writes (the target-architecture matrix), each to its transformers class.
+TINY_ARCHITECTURES = {name: model_class for name, (_, model_class, _) in _tiny_configs(64, 4).items()}
 
 
 def make_tiny_target(

@@ -54,7 +54,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from modeling.cpu_linear import fast_linear
-from modeling.target import decoder_layers, draft_rope, init_fc_and_norm
+from modeling.target import COPIED_PROJECTIONS, copied_layer, decoder_layers, draft_rope, init_fc_and_norm
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 INIT_STD = 0.02
@@ -412,19 +412,15 @@ class DSparkModel(nn.Module):
             factors at N(0, 0.02) give a bias of ~0.003 logits that Adam cannot grow within a short schedule).
         """
         if layers == "target":
-            source = decoder_layers(target_model)
-            first = len(source) - len(self.layers)
+            first = len(decoder_layers(target_model)) - len(self.layers)
             for i, layer in enumerate(self.layers):
-                src = source[first + i]
-                for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                    getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
-                for name in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
-                layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
-                layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+                shapes = {name: layer.get_submodule(name).weight.shape for name in COPIED_PROJECTIONS}
+                for name, weight in copied_layer(target_model, first + i, shapes).items():
+                    layer.get_submodule(name).weight.copy_(weight)
+                    if i == 0 and name == "input_layernorm":
+                        self.hidden_norm.weight.copy_(weight)
                 layer.self_attn.q_norm.weight.fill_(1.0)
                 layer.self_attn.k_norm.weight.fill_(1.0)
-            self.hidden_norm.weight.copy_(source[first].input_layernorm.weight)
         elif layers != "random":
             raise ValueError(f"init layers must be 'random' or 'target', got {layers!r}")
         init_fc_and_norm(self.fc, self.norm, target_model, fc, norm)

@@ -209,6 +209,39 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 @torch.no_grad()
+def norm_scale(norm: torch.nn.Module) -> torch.Tensor:
+    """The per-channel factor a target's RMSNorm multiplies the normalised state by, read off the module itself: its
+    weight for Llama's and Qwen3's, 1 + weight for Gemma 3's and Qwen3-Next's (zero-centred weights). A constant input
+    of 1e4 normalises to ones (the eps beside its square is lost), so what comes out is the factor."""
+    weight = norm.weight
+    return norm(torch.full(weight.shape, 1e4, dtype=weight.dtype, device=weight.device)).to(weight.dtype)
+
+
+#: What draft.init_layers=target copies from a target decoder layer into a drafter layer, by their common names.
+COPIED_PROJECTIONS = tuple(f"self_attn.{n}_proj" for n in "qkvo") + tuple(f"mlp.{n}_proj" for n in ("gate", "up", "down"))
+COPIED_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def copied_layer(target_model, index: int, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Target decoder layer `index`'s weights that start a drafter layer (draft.init_layers=target): each projection
+    `shapes` names, of the shape it gives (the drafter's), and COPIED_NORMS' scales (norm_scale). A layer without them
+    is refused naming what it lacks: MLA (DeepSeek-V3), fused q/k/v (Phi-3), experts (Mixtral, Qwen3-MoE, gpt-oss),
+    linear attention or a gated query (Qwen3-Next)."""
+    layer = decoder_layers(target_model)[index]
+    modules = dict(layer.named_modules())
+    wrong = [f"{name} {'absent' if name not in modules else tuple(modules[name].weight.shape)} (the drafter's "
+             f"{tuple(shape)})" for name, shape in shapes.items()
+             if name not in modules or tuple(getattr(modules[name], "weight", torch.empty(0)).shape) != tuple(shape)]
+    wrong += [f"{name} absent" for name in COPIED_NORMS if name not in modules]
+    if wrong:
+        raise ValueError(f"draft.init_layers=target starts the drafter's layers from the target's last ones, which "
+                         f"must hold Llama-shaped q/k/v/o and gated-MLP projections; target layer {index} "
+                         f"({type(layer).__name__}) has {', '.join(wrong)}: set draft.init_layers=random")
+    return {**{name: modules[name].weight for name in shapes},
+            **{name: norm_scale(modules[name]) for name in COPIED_NORMS}}
+
+
+@torch.no_grad()
 def init_fc_and_norm(fc: torch.nn.Linear, norm: torch.nn.Module, target_model, fc_mode: str, norm_mode: str) -> None:
     """A drafter's context projection and output norm, started from the target (the drafters' shared init levers).
 
@@ -221,7 +254,7 @@ def init_fc_and_norm(fc: torch.nn.Linear, norm: torch.nn.Module, target_model, f
     elif fc_mode != "random":
         raise ValueError(f"init fc must be 'random' or 'last', got {fc_mode!r}")
     if norm_mode == "target":
-        norm.weight.copy_(backbone(target_model).norm.weight)
+        norm.weight.copy_(norm_scale(backbone(target_model).norm))
     elif norm_mode != "ones":
         raise ValueError(f"init norm must be 'ones' or 'target', got {norm_mode!r}")
 

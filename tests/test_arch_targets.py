@@ -93,7 +93,7 @@ class PartlyRight(OracleDrafter):
         return self.last
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("arch", list(TINY_ARCHITECTURES))
 def test_speculative_output_is_the_targets_own_greedy_output(tiny, arch):
     """Before, Qwen3-Next failed in the runner (its linear-attention layers wrote into a cache of full-attention
     layers), and no drafter could be built beside Gemma 3 (its rope is one per layer type)."""
@@ -128,7 +128,7 @@ def test_a_rolled_back_cache_gives_a_fresh_forwards_logits(tiny, arch):
     torch.testing.assert_close(after[-1], fresh, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHITECTURES)
+@pytest.mark.parametrize("arch", list(TINY_ARCHITECTURES))
 def test_batched_regeneration_answers_each_prompt_as_alone(tiny, arch):
     """On a CPU each prompt is prefilled alone and the caches merged, where the cache is keys and values over the
     whole sequence; sliding windows and linear attention fall back to generate's padded prefill. Before, Gemma 3,
@@ -201,3 +201,39 @@ def test_a_run_whose_export_sglang_cannot_serve_is_refused_before_anything(tiny,
     assert "--stages export: SGLang 0.5.23 cannot serve the DFLASH draft beside a Qwen2ForCausalLM" in err.getvalue()
     assert "serve it with vLLM 0.32 (--to vllm)" in err.getvalue() and not (tmp_path / "run" / "regen").exists()
     assert main(args + ["--stages", "regenerate"]) == 0
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen3-next"])
+def test_a_drafter_starts_from_the_targets_norms_as_they_scale(tiny, arch):
+    """Gemma 3's and Qwen3-Next's RMSNorms scale by 1 + weight: draft.init_norm=target (and init_layers=target)
+    start the drafter's norms, which scale by their weight, at that factor. Before, they copied the weight itself."""
+    target = load_target(tiny(arch))
+    with torch.no_grad():
+        for name, param in target.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.3)
+    config = build_dspark_config(target.config, num_layers=1, block_size=GAMMA, target_layer_ids=LAYER_IDS,
+                                 mask_token_id=MASK)
+    draft = DSparkModel.from_target(config, target)
+    x = torch.randn(3, target.config.hidden_size)
+    draft.init_from_target(target, norm="target")
+    torch.testing.assert_close(draft.norm(x), target.model.norm(x), rtol=1e-5, atol=1e-5)
+    if arch == "gemma3":  # its last layer is Llama-shaped: it starts the drafter's layer, norms as they scale
+        draft.init_from_target(target, layers="target")
+        torch.testing.assert_close(draft.layers[0].input_layernorm(x), target.model.layers[-1].input_layernorm(x),
+                                   rtol=1e-5, atol=1e-5)
+    else:  # a gated query: q_proj twice the drafter's
+        with pytest.raises(ValueError, match=r"self_attn.q_proj \(128, 64\) \(the drafter's \(64, 64\)\).*"
+                                             r"draft.init_layers=random"):
+            draft.init_from_target(target, layers="target")
+
+
+@pytest.mark.parametrize("arch, lacks", [("deepseek-v3", "self_attn.q_proj absent"), ("phi3", "self_attn.q_proj absent"),
+                                         ("mixtral", "mlp.gate_proj absent"), ("gpt-oss", "mlp.gate_proj absent")])
+def test_a_target_layer_the_drafter_cannot_start_from_is_refused_naming_the_fix(tiny, arch, lacks):
+    """draft.init_layers=target copies Llama-shaped projections: MLA, fused q/k/v and experts have none to copy.
+    Before, an AttributeError named a module of the target's, not the recipe key."""
+    target = load_target(tiny(arch))
+    for drafter in drafters(target).values():
+        with pytest.raises(ValueError, match=rf"{lacks}.*set draft.init_layers=random"):
+            drafter.model.init_from_target(target, layers="target")
