@@ -212,9 +212,11 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 def norm_scale(norm: torch.nn.Module) -> torch.Tensor:
     """The per-channel factor a target's RMSNorm multiplies the normalised state by, read off the module itself: its
     weight for Llama's and Qwen3's, 1 + weight for Gemma 3's and Qwen3-Next's (zero-centred weights). A constant input
-    of 1e4 normalises to ones (the eps beside its square is lost), so what comes out is the factor."""
+    of 1e4 normalises to ones (the eps beside its square is lost), so what comes out is the factor, up to rounding:
+    the weight itself where that is what it is (Llama's, bit for bit)."""
     weight = norm.weight
-    return norm(torch.full(weight.shape, 1e4, dtype=weight.dtype, device=weight.device)).to(weight.dtype)
+    scale = norm(torch.full(weight.shape, 1e4, dtype=weight.dtype, device=weight.device)).to(weight.dtype)
+    return weight if torch.allclose(scale, weight, rtol=1e-3, atol=1e-3) else scale
 
 
 #: What draft.init_layers=target copies from a target decoder layer into a drafter layer, by their common names.
