@@ -42,12 +42,7 @@ LAYER_IDS, GAMMA, MASK = [0, 1, 2], 4, 151669
 PROMPT = [9707, 11, 1246, 525, 498, 30, 358, 1079, 264, 1661, 1614, 13, 3555, 374]  # 14 tokens: past the window
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")
