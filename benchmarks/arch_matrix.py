@@ -3,7 +3,7 @@
 each export read by both engines' own code beside that target's config. Prints the table: architecture x stage x
 engine, each cell `pass`, `refused` (with the reason, numbered below the table) or `FAIL`.
 
-    python benchmarks/arch_matrix.py --out runs/arch-matrix                        # ~15 min on 2 CPU cores
+    python benchmarks/arch_matrix.py --out runs/arch-matrix                        # ~12 min on 2 CPU cores
     python benchmarks/arch_matrix.py --out runs/arch-matrix --arch gemma3,qwen3-next
 
 Per architecture (hidden 64, 4 decoder layers; the drafters read layers 0-2, the engines cannot capture the last):

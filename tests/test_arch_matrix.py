@@ -2,7 +2,7 @@
 architecture data/assets.py writes through regenerate, cache, online and cached training of every family, eval and
 export, and has SGLang's and vLLM's own code read each export beside that target's config. Every cell passes, or is
 refused up front where the engine's own code agrees it cannot serve it; the refusals are exactly those
-export/serving.py UNSERVED_TARGETS lists, so the table is checked against the wheels. ~10 min on 2 CPU cores (slow).
+export/serving.py UNSERVED_TARGETS lists, so the table is checked against the wheels. 11-15 min on 2 CPU cores (slow).
 The quick half (lossless loop, rollback, regeneration, rope, refusals) is tests/test_arch_targets.py.
 """
 
