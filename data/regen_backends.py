@@ -31,7 +31,7 @@ from core.redact import redact_url, redact_urls
 from core.server import (LiveServer, default_engine_python, engine_python_problem, free_port, sglang_server_command,
                          vllm_server_command)
 from core.server_procs import visible_gpu
-from modeling.target import resolve_target, target_dtype
+from modeling.target import full_attention_only, new_cache, resolve_target, target_dtype
 
 
 @dataclass
@@ -118,16 +118,18 @@ class HFBackend:
         left-padded (the padding masked, as generate's own prefill masks it). A CPU's prefill of a batch padded to its
         longest prompt costs batch x width tokens, and ShareGPT lengths differ 10x within a batch: this costs the
         prompts' own tokens (measured: the same greedy answers, 1.4x faster on a 16-prompt batch of 33-407 tokens).
-        None (generate's own padded prefill) on a GPU, where the padded prefill runs in parallel, and with
-        regen.prefill: padded."""
-        if self.regen.prefill == "padded" or self.model.device.type != "cpu" or min(map(len, prompts)) < 2:
+        None (generate's own padded prefill) on a GPU, where the padded prefill runs in parallel, with
+        regen.prefill: padded, and for a target whose cache is not keys and values over the whole sequence (sliding
+        windows keep their last tokens only, linear attention a running state: neither pads nor merges)."""
+        if self.regen.prefill == "padded" or self.model.device.type != "cpu" or min(map(len, prompts)) < 2 \
+                or not full_attention_only(new_cache(self.model)):
             return None
         caches = []
         for ids in prompts:
-            cache = DynamicCache(config=self.model.config)
+            cache = new_cache(self.model)
             self.model(input_ids=torch.tensor([ids[:-1]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
             caches.append(cache)
-        batch = DynamicCache(config=self.model.config)
+        batch = new_cache(self.model)
         pad = [(0, 0, width - len(ids), 0) for ids in prompts]  # on the left of the sequence axis
         for layer in range(len(caches[0].layers)):
             keys = [torch.nn.functional.pad(c.layers[layer].keys, p) for c, p in zip(caches, pad)]

@@ -38,7 +38,7 @@ from core.io import LinkedPathError, link_problem, publish_dir, sha256_file
 from core.server import ENGINES, SERVING_ALGORITHMS
 from export.serving import (SERVING_DTYPES, SPS_FILENAME, STS_FILENAME, SpsTable, check_sps_range, check_sts_length,
                             covers_sglang_batches, detect_algorithm, load_sts, run_folder, run_recipe, serve_command,
-                            serve_notes, serves_as_dflash)
+                            serve_notes, serves_as_dflash, unserved_target)
 from modeling.dspark import block_length
 from modeling.registry import (CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config,
                                read_draft_weights)
@@ -436,6 +436,9 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
     if (algorithm == "eagle3") != (detected == "eagle3"):
         raise ValueError(f"a {cfg['architectures'][0]} draft cannot export as {algorithm.upper()}")
     _check_serving_support(cfg, algorithm, to)
+    unserved = unserved_target(to, algorithm, (target_shape(verifier) or {}).get("architecture") if verifier else None)
+    if unserved:
+        raise ValueError(f"cannot export: {unserved}")
     if algorithm == "eagle3":
         _require(cfg, "draft_vocab_size", "hidden_size", "vocab_size", "num_hidden_layers")
         _eagle3_layer_ids(cfg)

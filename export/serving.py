@@ -69,6 +69,44 @@ STS_KEYS = ("temperatures", "dataset", "num_samples", "ece_before", "ece_after")
 SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  # SGLang's SpsCostTable
 
 
+# Target architectures an engine cannot run a drafter beside, per algorithm: its model class for that target cannot hand
+# the drafter the target's hidden states. SGLang 0.5.23 asks the target's class for `set_eagle3_layers_to_capture`
+# (EAGLE3) or `set_dflash_layers_to_capture` (DFLASH, DSPARK) and refuses to start without it
+# (srt/model_executor/model_runner_components/attention_backend_setup.py); vLLM 0.32 reads them, for every drafter,
+# through the target class's SupportsEagle3 interface (v1/worker/gpu_model_runner.py). Read from the wheels for the
+# target-architecture matrix (tests/test_arch_matrix.py checks this table against them); an architecture not listed
+# is served, or not known here.
+UNSERVED_TARGETS = {
+    "sglang": {"MixtralForCausalLM": SERVING_ALGORITHMS, "Qwen2ForCausalLM": ("dflash", "dspark"),
+               "Gemma3ForCausalLM": ("dflash", "dspark")},
+    "vllm": {"MixtralForCausalLM": SERVING_ALGORITHMS, "Gemma3ForCausalLM": SERVING_ALGORITHMS},
+}
+_HIDDEN_STATES_HOOK = {("sglang", "eagle3"): "no set_eagle3_layers_to_capture",
+                       ("sglang", "dflash"): "no set_dflash_layers_to_capture",
+                       ("sglang", "dspark"): "no set_dflash_layers_to_capture",
+                       **{("vllm", a): "no SupportsEagle3 interface" for a in SERVING_ALGORITHMS}}
+ENGINE_NAMES = {"sglang": "SGLang 0.5.23", "vllm": "vLLM 0.32"}
+
+
+def unserved_target(engine: str, algorithm: str, architecture: str | None) -> str | None:
+    """Why `engine` cannot serve an `algorithm` draft beside a target whose config names `architecture` (its
+    `architectures[0]`), and where such a draft is served instead; None when it can, or the architecture is not known
+    here."""
+    def served(engine_: str, algorithm_: str) -> bool:
+        return algorithm_ not in UNSERVED_TARGETS[engine_].get(architecture, ())
+
+    if served(engine, algorithm):
+        return None
+    engines = [e for e in UNSERVED_TARGETS if served(e, algorithm)]
+    families = [a for a in SERVING_ALGORITHMS if any(served(e, a) for e in UNSERVED_TARGETS)]
+    instead = (f"serve it with {ENGINE_NAMES[engines[0]]} (--to {engines[0]})" if engines else
+               f"no engine here serves it; {' and '.join(a.upper() for a in families)} drafts are served beside it"
+               if families else "no engine here serves any drafter beside it")
+    return (f"{ENGINE_NAMES[engine]} cannot serve the {algorithm.upper()} draft beside a {architecture} target: its "
+            f"{architecture} class has {_HIDDEN_STATES_HOOK[engine, algorithm]}, through which the engine hands a "
+            f"drafter the target's hidden states (the server would refuse to start); {instead}")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Which algorithm, and the commands that serve it
 

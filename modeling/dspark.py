@@ -40,7 +40,6 @@ Two implementations of that mask: a dense boolean mask for SDPA (CPU, reference)
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +54,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from modeling.cpu_linear import fast_linear
-from modeling.target import decoder_layers, init_fc_and_norm
+from modeling.target import COPIED_PROJECTIONS, copied_layer, decoder_layers, draft_rope, init_fc_and_norm
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 INIT_STD = 0.02
@@ -93,9 +92,6 @@ def build_dspark_config(
     if markov_rank < 0 or markov_head_type not in MARKOV_HEAD_TYPES:
         raise ValueError(f"markov_rank must be >= 0 and markov_head_type one of {MARKOV_HEAD_TYPES}")
     heads = src.num_attention_heads
-    rope = copy.deepcopy(getattr(src, "rope_parameters", None))
-    if not rope:  # a config written before transformers 5's rope_parameters
-        rope = {"rope_type": "default", "rope_theta": getattr(src, "rope_theta", 10000.0)}
     config = Qwen3Config(
         vocab_size=src.vocab_size,
         hidden_size=src.hidden_size,
@@ -107,7 +103,7 @@ def build_dspark_config(
         hidden_act=getattr(src, "hidden_act", "silu"),
         max_position_embeddings=src.max_position_embeddings,
         rms_norm_eps=src.rms_norm_eps,
-        rope_parameters=rope,
+        rope_parameters=draft_rope(src),
         attention_bias=False,
         attention_dropout=0.0,
         use_sliding_window=False,
@@ -416,19 +412,15 @@ class DSparkModel(nn.Module):
             factors at N(0, 0.02) give a bias of ~0.003 logits that Adam cannot grow within a short schedule).
         """
         if layers == "target":
-            source = decoder_layers(target_model)
-            first = len(source) - len(self.layers)
+            first = len(decoder_layers(target_model)) - len(self.layers)
             for i, layer in enumerate(self.layers):
-                src = source[first + i]
-                for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                    getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
-                for name in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
-                layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
-                layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+                shapes = {name: layer.get_submodule(name).weight.shape for name in COPIED_PROJECTIONS}
+                for name, weight in copied_layer(target_model, first + i, shapes).items():
+                    layer.get_submodule(name).weight.copy_(weight)
+                    if i == 0 and name == "input_layernorm":
+                        self.hidden_norm.weight.copy_(weight)
                 layer.self_attn.q_norm.weight.fill_(1.0)
                 layer.self_attn.k_norm.weight.fill_(1.0)
-            self.hidden_norm.weight.copy_(source[first].input_layernorm.weight)
         elif layers != "random":
             raise ValueError(f"init layers must be 'random' or 'target', got {layers!r}")
         init_fc_and_norm(self.fc, self.norm, target_model, fc, norm)

@@ -46,7 +46,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
-from modeling.target import decoder_layers, init_fc_and_norm
+from modeling.target import COPIED_PROJECTIONS, copied_layer, decoder_layers, draft_rope, init_fc_and_norm
 from modeling.vocab import mapping_agrees
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -86,8 +86,7 @@ def build_eagle3_config(
         head_dim=head_dim,
         hidden_act=getattr(text, "hidden_act", "silu"),
         rms_norm_eps=text.rms_norm_eps,
-        # transformers 5 keeps rope_theta/rope_type/scaling in one dict; copy it so yarn/llama3 scaling carries over.
-        rope_parameters=dict(text.rope_parameters),
+        rope_parameters=draft_rope(text),  # yarn/llama3 scaling carries over
         vocab_size=text.vocab_size,
         max_position_embeddings=text.max_position_embeddings,
         # SGLang's EAGLE3 head is a plain Llama layer: no q/k norm (Qwen3) and no biases, whatever the target has.
@@ -290,22 +289,15 @@ class Eagle3Model(nn.Module):
             source = decoder_layers(target_model)
             mine = [self.midlayer, *self.layers.values()]
             for i, layer in enumerate(mine):
-                src = source[len(source) - len(mine) + i]
-                for name in ("q_proj", "k_proj", "v_proj"):
-                    weight = getattr(layer.self_attn, name).weight
-                    if i == 0:  # [embeds; hidden] input: the hidden half reads like the target layer
-                        weight.zero_()
-                        weight[:, hidden:].copy_(getattr(src.self_attn, name).weight)
-                    else:
-                        weight.copy_(getattr(src.self_attn, name).weight)
-                layer.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
-                for name in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
-                layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
-                if i == 0:
-                    layer.hidden_norm.weight.copy_(src.input_layernorm.weight)
-                else:
-                    layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+                into = {name: layer.get_submodule(name).weight for name in COPIED_PROJECTIONS}
+                if i == 0:  # the midlayer's q/k/v read [embeds; hidden]: the hidden half reads like the target layer
+                    for name in COPIED_PROJECTIONS[:3]:  # q, k, v
+                        into[name] = into[name].zero_()[:, hidden:]
+                copied = copied_layer(target_model, len(source) - len(mine) + i, {n: w.shape for n, w in into.items()})
+                for name, weight in into.items():
+                    weight.copy_(copied[name])
+                layer.post_attention_layernorm.weight.copy_(copied["post_attention_layernorm"])
+                (layer.hidden_norm if i == 0 else layer.input_layernorm).weight.copy_(copied["input_layernorm"])
         elif layers != "random":
             raise ValueError(f"init layers must be 'random' or 'target', got {layers!r}")
         init_fc_and_norm(self.fc, self.norm, target_model, fc, norm)

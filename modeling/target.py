@@ -12,6 +12,7 @@ final norm. This is the convention SGLang and vLLM configs use for `target_layer
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.metadata
 import os
@@ -114,6 +115,20 @@ def target_hidden_size(name_or_path: str) -> int:
     return getattr(config, "text_config", config).hidden_size
 
 
+def draft_rope(text_config) -> dict:
+    """The rope a drafter's layers take from the target's (text) config: its full-attention layers' (Gemma 3 keeps one
+    per layer type; the global layers' carries the long-context scaling), over the whole head: a drafter's layers, and
+    the engines' draft classes built from its exported config, rotate every dimension (Qwen3-Next's
+    partial_rotary_factor describes its own attention, not the drafter's)."""
+    rope = copy.deepcopy(getattr(text_config, "rope_parameters", None))
+    if rope and all(isinstance(value, dict) for value in rope.values()):  # one per layer type
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    if not rope:  # a config written before transformers 5's rope_parameters
+        rope = {"rope_type": "default", "rope_theta": getattr(text_config, "rope_theta", 10000.0)}
+    rope.pop("partial_rotary_factor", None)
+    return rope
+
+
 _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # what the hub's repo ids look like: name or namespace/name
 
 
@@ -149,8 +164,9 @@ def _hub_target_problem(repo_id: str) -> str | None:
 
 
 def target_shape(name_or_path: str) -> dict | None:
-    """The target's decoder layer count, vocabulary size, width and dtype from its config alone (no weights); None when the config
-    cannot be read here (a hub id not in the local cache while offline): the stages check them on the loaded model."""
+    """The target's architecture (its config's architectures[0]), decoder layer count, vocabulary size, width and dtype
+    from its config alone (no weights); None when the config cannot be read here (a hub id not in the local cache while
+    offline): the stages check them on the loaded model."""
     from transformers import AutoConfig
 
     try:
@@ -159,7 +175,8 @@ def target_shape(name_or_path: str) -> dict | None:
         return None
     text = getattr(config, "text_config", config)
     dtype = getattr(text, "dtype", None)  # transformers reads `dtype` or the older `torch_dtype`
-    return {"num_layers": getattr(text, "num_hidden_layers", None), "vocab_size": getattr(text, "vocab_size", None),
+    return {"architecture": (getattr(config, "architectures", None) or [None])[0],
+            "num_layers": getattr(text, "num_hidden_layers", None), "vocab_size": getattr(text, "vocab_size", None),
             "hidden_size": getattr(text, "hidden_size", None),
             "dtype": None if dtype is None else str(dtype).removeprefix("torch.")}
 
@@ -192,6 +209,41 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 @torch.no_grad()
+def norm_scale(norm: torch.nn.Module) -> torch.Tensor:
+    """The per-channel factor a target's RMSNorm multiplies the normalised state by, read off the module itself: its
+    weight for Llama's and Qwen3's, 1 + weight for Gemma 3's and Qwen3-Next's (zero-centred weights). A constant input
+    of 1e4 normalises to ones (the eps beside its square is lost), so what comes out is the factor, up to rounding:
+    the weight itself where that is what it is (Llama's, bit for bit)."""
+    weight = norm.weight
+    scale = norm(torch.full(weight.shape, 1e4, dtype=weight.dtype, device=weight.device)).to(weight.dtype)
+    return weight if torch.allclose(scale, weight, rtol=1e-3, atol=1e-3) else scale
+
+
+#: What draft.init_layers=target copies from a target decoder layer into a drafter layer, by their common names.
+COPIED_PROJECTIONS = tuple(f"self_attn.{n}_proj" for n in "qkvo") + tuple(f"mlp.{n}_proj" for n in ("gate", "up", "down"))
+COPIED_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+def copied_layer(target_model, index: int, shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Target decoder layer `index`'s weights that start a drafter layer (draft.init_layers=target): each projection
+    `shapes` names, of the shape it gives (the drafter's), and COPIED_NORMS' scales (norm_scale). A layer without them
+    is refused naming what it lacks: MLA (DeepSeek-V3), fused q/k/v (Phi-3), experts (Mixtral, Qwen3-MoE, gpt-oss),
+    linear attention or a gated query (Qwen3-Next)."""
+    layer = decoder_layers(target_model)[index]
+    modules = dict(layer.named_modules())
+    wrong = [f"{name} {'absent' if name not in modules else tuple(modules[name].weight.shape)} (the drafter's "
+             f"{tuple(shape)})" for name, shape in shapes.items()
+             if name not in modules or tuple(getattr(modules[name], "weight", torch.empty(0)).shape) != tuple(shape)]
+    wrong += [f"{name} absent" for name in COPIED_NORMS if name not in modules]
+    if wrong:
+        raise ValueError(f"draft.init_layers=target starts the drafter's layers from the target's last ones, which "
+                         f"must hold Llama-shaped q/k/v/o and gated-MLP projections; target layer {index} "
+                         f"({type(layer).__name__}) has {', '.join(wrong)}: set draft.init_layers=random")
+    return {**{name: modules[name].weight for name in shapes},
+            **{name: norm_scale(modules[name]) for name in COPIED_NORMS}}
+
+
+@torch.no_grad()
 def init_fc_and_norm(fc: torch.nn.Linear, norm: torch.nn.Module, target_model, fc_mode: str, norm_mode: str) -> None:
     """A drafter's context projection and output norm, started from the target (the drafters' shared init levers).
 
@@ -204,7 +256,7 @@ def init_fc_and_norm(fc: torch.nn.Linear, norm: torch.nn.Module, target_model, f
     elif fc_mode != "random":
         raise ValueError(f"init fc must be 'random' or 'last', got {fc_mode!r}")
     if norm_mode == "target":
-        norm.weight.copy_(backbone(target_model).norm.weight)
+        norm.weight.copy_(norm_scale(backbone(target_model).norm))
     elif norm_mode != "ones":
         raise ValueError(f"init norm must be 'ones' or 'target', got {norm_mode!r}")
 
@@ -269,6 +321,23 @@ def capture_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.
 
 # The target as the speculative loop runs it: a KV cache rolled back after each verify
 
+def new_cache(model) -> DynamicCache:
+    """An empty cache laid out for the target's decoder layers, as generate builds it: full attention, sliding windows
+    and linear attention's running states each get their own kind of layer (a bare DynamicCache() gives every layer
+    full attention's, which a linear-attention layer cannot write)."""
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def full_attention_only(cache: DynamicCache) -> bool:
+    """Whether every layer of `cache` keeps keys and values for the whole sequence: what can be left-padded, merged
+    and cut back to any length (a sliding window keeps its last tokens only, linear attention a running state)."""
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def crop_cache(cache: DynamicCache, length: int) -> None:
     # transformers 5 deprecates crop(positive absolute length); a negative count removes tokens in every version.
     remove = cache.get_seq_length() - length
@@ -279,10 +348,15 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
 class TargetRunner:
     """The target with a KV cache, as the speculative loop runs it; each `forward` also returns the chosen layers'
     outputs (forward hooks, the same residual-stream convention as capture_hidden_states), concatenated in `layer_ids`
-    order."""
+    order.
+
+    `crop` rolls the cache back to any length within the last forward, whatever the target's layers keep: sliding
+    windows record what they drop until the crop (transformers' past recording), and linear-attention layers (Qwen3-
+    Next), whose running state cannot be cut back, are saved before each forward, restored, and the kept tokens run
+    again."""
 
     def __init__(self, model, layer_ids=()):
-        from transformers import DynamicCache
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
         self.model, self.layer_ids = model, list(layer_ids)
         check_layer_ids(model, self.layer_ids)
@@ -290,7 +364,13 @@ class TargetRunner:
         # The backbone and the head apart (logits = head(final-norm state), as capture_hidden_states reads them): the
         # head runs as vocab_logits, and only on the rows a caller reads.
         self.backbone, self.head = backbone(model), model.get_output_embeddings()
-        self.cache = DynamicCache()
+        self.cache = new_cache(model)
+        self.running = [i for i, layer in enumerate(self.cache.layers)
+                        if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        for i, layer in enumerate(self.cache.layers):
+            if i not in self.running and hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        self.saved: tuple[int, list[int], dict] | None = None  # (length, ids, running layers) before the last forward
         self.captured: dict[int, torch.Tensor] = {}
         self.handles = hook_layer_outputs(model, self.layer_ids, self.captured)
         self.width = len(self.layer_ids) * model.config.get_text_config().hidden_size
@@ -316,6 +396,8 @@ class TargetRunner:
         if not ids:
             empty = torch.zeros(0, self.width, device=self.device, dtype=next(self.model.parameters()).dtype)
             return None, empty if self.layer_ids else None
+        if self.running:  # small (a state per layer), whatever the context's length
+            self.saved = (self.length, list(ids), {i: copy.deepcopy(self.cache.layers[i]) for i in self.running})
         out = self.backbone(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
                             use_cache=True)
         hidden = torch.cat([self.captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else None
@@ -328,4 +410,22 @@ class TargetRunner:
         return vocab_logits(final, self.head.weight), hidden
 
     def crop(self, length: int) -> None:
-        crop_cache(self.cache, length)
+        remove = self.length - length
+        if not self.running:
+            if self.length:  # crop(0) too: sliding windows drop what they recorded past the window
+                self.cache.crop(-max(remove, 0))
+            return
+        if remove <= 0:
+            return
+        start, ids, running = self.saved or (0, [], {})
+        if length < start:
+            raise ValueError(f"cannot roll the target's linear-attention state back to {length} tokens: only to "
+                             f"{start}..{self.length}, within the last forward")
+        back = self.length - start
+        for i, layer in enumerate(self.cache.layers):
+            if i in running:
+                self.cache.layers[i] = running[i]
+            else:
+                layer.crop(-back)
+        self.forward(ids[: length - start], logits="none")  # the kept tokens again, from the restored state
+        self.captured.clear()

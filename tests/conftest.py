@@ -59,6 +59,18 @@ def qwen3_tokenizer():
     return build_qwen3_tokenizer()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """For a module of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): intra-op threads only add
+    overhead (3x slower on a shared 2-core box)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     """A tiny random Qwen3 (hidden 64) with the real Qwen3 tokenizer; 40 layers so every Qwen3 recipe's layer ids
@@ -219,7 +231,7 @@ LONGEST_FILES = ("test_overfit_gate.py", "test_trainer.py")
 # Files whose tests run the pipeline end to end, train, or start a serving engine (30 s to 6 min each on 2 cores):
 # marked `slow`, which `make test-fast` leaves out for the edit loop. `make test` runs everything.
 SLOW_FILES = ("test_overfit_gate.py", "test_trainer.py", "test_online.py", "test_drills.py", "test_pipeline.py",
-              "test_opd.py", "test_regenerate.py", "test_eval_report.py", "test_live.py")
+              "test_opd.py", "test_regenerate.py", "test_eval_report.py", "test_live.py", "test_arch_matrix.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the drill and slow markers are added here

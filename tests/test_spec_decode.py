@@ -55,13 +55,7 @@ def llama(vocab: int, hidden: int, layers: int, seed: int, logit_scale: float) -
     return model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: intra-op threads only add overhead (3x slower on a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run best on one thread
 
 
 @pytest.fixture(scope="module")
