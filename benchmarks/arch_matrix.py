@@ -132,12 +132,14 @@ def architecture_cells(arch: str, out: Path, prompts: Path) -> tuple[dict, list[
 
 def engine_verdicts(jobs: list[dict], out: Path, vllm_python: str) -> dict[tuple[str, str], str]:
     """Each job's cell once the engine's own code has read it (or judged the target it was refused beside)."""
+    from core.io import atomic_write_text
+
     pythons = {"sglang": sys.executable, "vllm": vllm_python}
     verdicts = {}
     for engine, python in pythons.items():
         mine = [job for job in jobs if job["engine"] == engine]
         request = out / f"{engine}-jobs.json"
-        request.write_text(json.dumps(mine))
+        atomic_write_text(request, json.dumps(mine))
         if not Path(python).is_file():
             found = {}
             missing = f"FAIL: no {engine} python at {python}"
@@ -169,9 +171,10 @@ def judge(job: dict, read: dict | None, missing: str) -> str:
 
 def run_matrix(out: Path, archs: list[str], vllm_python: str) -> dict[str, dict[str, str]]:
     """{architecture: {column: cell}} (columns()), also written to OUT/matrix.json."""
-    out.mkdir(parents=True, exist_ok=True)
+    from core.io import atomic_write_text
+
     prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    atomic_write_text(prompts, "".join(json.dumps(row) + "\n" for row in PROMPTS))
     matrix, jobs = {}, []
     for arch in archs:
         start = time.perf_counter()
@@ -180,7 +183,7 @@ def run_matrix(out: Path, archs: list[str], vllm_python: str) -> dict[str, dict[
         print(f"[arch-matrix] {arch}: {time.perf_counter() - start:.0f} s", flush=True)
     for (arch, column), cell in engine_verdicts(jobs, out, vllm_python).items():
         matrix[arch][column] = cell
-    (out / "matrix.json").write_text(json.dumps(matrix, indent=2) + "\n")
+    atomic_write_text(out / "matrix.json", json.dumps(matrix, indent=2) + "\n")
     return matrix
 
 

@@ -105,11 +105,11 @@ class Run:
         if self._target is None:
             from transformers.utils import logging
 
+            from core.io import atomic_write_text
             from data.assets import make_tiny_qwen3
 
             logging.disable_progress_bar()  # one line per check
-            self.work.mkdir(parents=True, exist_ok=True)
-            self.prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+            atomic_write_text(self.prompts, "".join(json.dumps(p) + "\n" for p in PROMPTS))
             self._target = make_tiny_qwen3(str(self.work / "tiny-qwen3-bf16"), num_layers=40, dtype="bfloat16")
         return self._target
 

@@ -86,6 +86,11 @@ class LinkedPathError(OSError):
     """A path DraftSmith would write (or read back as its own) is a symbolic link it did not make."""
 
 
+class DamagedFileError(ValueError):
+    """A file a run reads is damaged or not in its format (cut, edited, missing, malformed); the message names the
+    file and what to do. The pipeline prints it as one `error:` line with exit code 2: the user's to mend, not a bug."""
+
+
 _ROOTS: set[str] = set()  # folders this process writes into (own_root): no folder below them may be a link
 
 
@@ -425,8 +430,9 @@ def verify_checksums(folder, required: bool = False) -> None:
     folder = Path(folder)
     if not (folder / CHECKSUMS_NAME).is_file():
         if required:
-            raise DamagedFileError(f"{folder / CHECKSUMS_NAME} is missing: the folder's files cannot be checked against "
-                             f"what was written, so none is trusted. Restore it, or make the folder again")
+            raise DamagedFileError(f"{folder / CHECKSUMS_NAME} is missing: the folder's files cannot be checked "
+                                   f"against what was written, so none is trusted. Restore it, or make the folder "
+                                   f"again")
         return
     for name, digest in read_json(folder / CHECKSUMS_NAME).items():
         path = folder / name
@@ -492,7 +498,9 @@ def lock_for_process(lock_path, what: str) -> None:
 def exclusive(lock_path) -> Iterator[None]:
     """Hold a blocking flock on `lock_path` for the block (ranks of one job, or parallel test workers, converting
     one shared asset: one works, the others wait); a link at `lock_path` is refused, never opened."""
-    fd = _open_lock_file(make_dir(Path(lock_path).parent) / Path(lock_path).name, os.O_RDWR | os.O_CREAT)
+    lock_path = Path(lock_path)
+    make_dir(lock_path.parent)
+    fd = _open_lock_file(lock_path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -541,7 +549,3 @@ def _alive(pid: int) -> bool:
         return True
     return True
 
-
-class DamagedFileError(ValueError):
-    """A file a run reads is damaged or not in its format (cut, edited, missing, malformed); the message names the
-    file and what to do. The pipeline prints it as one `error:` line with exit code 2: the user's to mend, not a bug."""

@@ -90,6 +90,11 @@ def begin(stage_dir: Path, settings: dict, is_main: bool = True, notes: dict[str
     """Pin `settings` to `stage_dir` (first run) or check they match what the folder was made with. `notes`: a
     sentence per (dotted) key, added to the refusal when that key differs (what a digest's change means)."""
     refuse_links(stage_dir)
+    _check_and_pin(stage_dir, settings, is_main, notes)
+
+
+def _check_and_pin(stage_dir: Path, settings: dict, is_main: bool, notes: dict[str, str] | None) -> None:
+    """`begin` on a folder already checked for links."""
     diff = _changes(stage_dir, settings)
     if diff:
         explained = [note for key, note in (notes or {}).items() if key in diff]
@@ -125,7 +130,7 @@ def start(stage_dir: Path, settings: dict, name: str, is_main: bool = True, on_c
               + "\n  ".join(diff.values()), flush=True)
         (Path(stage_dir) / DONE_NAME).unlink(missing_ok=True)  # first: a crash from here on leaves it not done
         _pin(stage_dir, settings)
-    begin(stage_dir, settings, is_main, notes)
+    _check_and_pin(stage_dir, settings, is_main, notes)
     if not is_done(stage_dir):
         return None
     if is_main:

@@ -318,7 +318,7 @@ def serve_notes(checkpoint_dir, to: str, out_dir, target: str | None = None, alg
     """What the printed serve command chose and cannot say itself: a float32 export served in bfloat16 by SGLang, the
     attention backend for another GPU than this machine's, the chat-template mode the draft was trained in, and the
     SPS profiling recipe (`sps_profile_note`)."""
-    env, argv = _serve_argv(checkpoint_dir, to, out_dir, target, algorithm)
+    env, _ = _serve_argv(checkpoint_dir, to, out_dir, target, algorithm)
     notes = []
     if to == "sglang" and declared_dtype(read_config(out_dir)) == "float32":
         notes.append("The export declares float32, its target's dtype; SGLang's GPU attention kernels (FlashAttention 3, "
