@@ -8,8 +8,9 @@
 
 Each subcommand hands the rest of the command line, untouched, to the same `main` that `train/main.py` (the driver,
 pipeline.py), `eval.py` and `export/main.py` run, so both spellings take the same flags and give the same help and
-exit codes. This module sits above those scripts (tests/test_layout.py: the command may import them, nothing imports
-it) and imports them only when their subcommand runs, so that `draftsmith --help` answers at once.
+exit codes. This module sits beside those scripts, in the top layer (tests/test_layout.py: the command may import
+them, nothing imports it), and imports them only when their subcommand runs, so that `draftsmith --help` answers at
+once.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages regenerate,cache --set data.num_prompts=64
     python train/main.py --list-recipes
 
-Stages: regenerate (the target answers the prompts) -> cache (target hidden states; skipped when
-train.hidden_states is online) -> train -> opd (on-policy distillation; when opd.rounds > 0) -> eval -> export
-(an SGLang checkpoint in runs/<recipe>/export/sglang, with the eval's STS calibration beside a DSpark draft).
+Stages (STAGE_TABLE: each row's folder, outputs, job object and runner): regenerate (the target answers the prompts)
+-> cache (target hidden states; skipped when train.hidden_states is online) -> train -> opd (on-policy distillation;
+when opd.rounds > 0) -> eval -> export (an SGLang checkpoint in runs/<recipe>/export/sglang, with the eval's STS
+calibration beside a DSpark draft). `draftsmith train` runs the same main.
 Each stage writes into --out (default runs/<recipe>) and is skipped when its output is already complete
 (core/stage.py), so rerunning the same command after a crash resumes where it stopped.
 
@@ -19,7 +20,9 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -35,8 +38,6 @@ from data.sources import source_problem
 # The stages' modules (torch, transformers: ~12 s to import on a small machine) are imported where they are first
 # needed, so that --help, --list-recipes and a bad recipe, stage or input answer within a second.
 
-STAGES = ("regenerate", "cache", "train", "opd", "eval", "export")
-STAGE_DIRS = dict(zip(STAGES, stage.STAGE_DIRS))  # each stage's folder under --out
 LOCK_NAME = ".draftsmith.lock"
 RECIPE_NAME = "recipe.yaml"  # the recipe a run last started with, written beside the stage folders
 
@@ -53,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"comma-separated stages to run, in order, from {','.join(STAGES)} (default: all)")
     parser.add_argument("--out", help="output folder for every stage (default: runs/<recipe>)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a recipe key, e.g. --set data.num_prompts=64 (repeatable; values are YAML)")
+                        help="override a recipe key, e.g. --set data.num_prompts=64 (repeatable; values are YAML; "
+                             "`draftsmith recipes --keys` lists every key with its type, default and bound)")
     parser.add_argument("--list-recipes", action="store_true", help="print every recipe name, one a line, and exit")
     args = parser.parse_args(argv)
     if not args.list_recipes and not args.recipe:
@@ -346,17 +348,163 @@ def cache_disk_problem(recipe, stages: list[str], out: Path, hidden_size: int) -
     return []
 
 
-def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
-    from data.capture import run_cache
-    from data.regenerate import run_regenerate
-    from eval.run import print_summary, run_eval_stage
-    from export.convert import run_export_stage
-    from export.serving import SPS_FILENAME, STS_FILENAME
-    from modeling.target import load_target, load_tokenizer
-    from train.opd import run_opd
-    from train.trainer import TrainJob, run_train
+# --- the stage table ------------------------------------------------------------------------------------------------
+# One row a stage, in pipeline order: its folder under --out, what it leaves there for the stages after it, why a
+# recipe skips it (None: it runs), the builder of its job object (from the recipe and what the run shares) and its
+# runner. `--stages` picks rows; run_stages walks them. The builders and runners import their stage's modules when
+# called (torch and the models: ~12 s), so that --help and a refused recipe answer at once.
 
-    tokenizer = load_tokenizer(recipe.target.name_or_path)
+
+@dataclass
+class RunState:
+    """What the stages of one run share: the recipe, --out, the ranks, the target's tokenizer, the target (loaded
+    on first need, once) and the eval's report (the run's last line quotes it)."""
+
+    recipe: object
+    out: Path
+    dist: object
+    tokenizer: object
+    get_target: Callable
+    eval_report: dict | None = None
+
+
+@dataclass(frozen=True)
+class EvalStageJob:
+    """The eval stage's job: the draft it measures and the folder it writes (eval/run.py's run_eval_stage takes the
+    recipe and the run's target beside them)."""
+
+    draft_dir: Path
+    eval_dir: Path
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    folder: str
+    outputs: str
+    skip: Callable[[object], str | None]
+    job: Callable[[RunState], object]
+    run: Callable[[object, RunState], None]
+
+
+def _never(recipe) -> None:
+    return None
+
+
+def _regenerate_job(run: RunState):
+    from data.regenerate import RegenJob
+
+    return RegenJob(run.recipe, run.out / "regen", run.dist, run.get_target, run.tokenizer)
+
+
+def _run_regenerate(job, run: RunState) -> None:
+    from data.regenerate import run_regenerate
+
+    run_regenerate(job)
+
+
+def _cache_skip(recipe) -> str | None:
+    return ("train.hidden_states is online (the train stage runs the target itself)"
+            if recipe.train.hidden_states == "online" else None)
+
+
+def _cache_job(run: RunState):
+    from data.capture import CacheJob
+
+    return CacheJob(run.recipe, run.out / "regen", run.out / "cache", run.dist, run.get_target, run.tokenizer)
+
+
+def _run_cache(job, run: RunState) -> None:
+    from data.capture import run_cache
+
+    run_cache(job)
+
+
+def _train_job(run: RunState):
+    from train.trainer import TrainJob
+
+    records = training_records(run.recipe, run.out, run.tokenizer, run.get_target)
+    return TrainJob(run.recipe, records, run.out / "train", run.dist, run.get_target)
+
+
+def _run_train(job, run: RunState) -> None:
+    from train.trainer import run_train
+
+    run_train(job)
+
+
+def _opd_skip(recipe) -> str | None:
+    return "opd.rounds is 0 (on-policy distillation is opt-in)" if recipe.opd.rounds == 0 else None
+
+
+def _opd_job(run: RunState):
+    from train.opd import OpdJob
+
+    records = training_records(run.recipe, run.out, run.tokenizer, run.get_target)
+    return OpdJob(run.recipe, records, run.out / "train" / "final", run.out / "opd", run.dist, run.get_target,
+                  run.tokenizer.eos_token_id)
+
+
+def _run_opd(job, run: RunState) -> None:
+    from train.opd import run_opd
+
+    run_opd(job)
+
+
+def _eval_job(run: RunState) -> EvalStageJob:
+    return EvalStageJob(final_draft(run.recipe, run.out), run.out / "eval")
+
+
+def _run_eval(job: EvalStageJob, run: RunState) -> None:
+    from eval.run import print_summary, run_eval_stage
+
+    if run.dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
+        with run.dist.every_core():  # the other ranks wait meanwhile
+            run.eval_report = run_eval_stage(run.recipe, job.draft_dir, job.eval_dir, run.get_target())
+        print_summary(run.eval_report)
+    run.dist.wait()
+
+
+def _export_job(run: RunState):
+    from export.convert import ExportJob
+    from export.serving import SPS_FILENAME, STS_FILENAME
+
+    sts, sps = run.out / "eval" / STS_FILENAME, run.out / "eval" / SPS_FILENAME
+    return ExportJob(final_draft(run.recipe, run.out), "sglang", run.out / "export" / "sglang",
+                     sts_path=sts if sts.is_file() else None, sps_path=sps if sps.is_file() else None,
+                     verifier=run.recipe.target.name_or_path)
+
+
+def _run_export(job, run: RunState) -> None:
+    from export.convert import run_export_stage
+
+    if run.dist.is_main:
+        if stage.is_done(run.out / "eval"):
+            stage.verify_outputs(run.out / "eval")  # an sts.json edited since the eval wrote it is not shipped
+        done = run_export_stage(job)
+        print(f"[export] SGLang checkpoint: {done['path']}\n[export] serve it (GPU) with: {done['command']}",
+              flush=True)
+    run.dist.wait()
+
+
+STAGE_TABLE = (
+    Stage("regenerate", "regen", "records.jsonl (the target's answers), DONE.json (their sha256)",
+          _never, _regenerate_job, _run_regenerate),
+    Stage("cache", "cache", "shard-*.bin, index.bin, manifest.json (the target's hidden states)",
+          _cache_skip, _cache_job, _run_cache),
+    Stage("train", "train", "final/ (the draft, checksums.json), checkpoints/, metrics.jsonl",
+          _never, _train_job, _run_train),
+    Stage("opd", "opd", "final/ (the on-policy distilled draft)", _opd_skip, _opd_job, _run_opd),
+    Stage("eval", "eval", "report.json, report.md, sts.json, sps_table.json", _never, _eval_job, _run_eval),
+    Stage("export", "export", "sglang/ (the serving checkpoint)", _never, _export_job, _run_export),
+)
+STAGES = tuple(row.name for row in STAGE_TABLE)
+STAGE_DIRS = {row.name: row.folder for row in STAGE_TABLE}  # each stage's folder under --out
+
+
+def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
+    from modeling.target import load_target, load_tokenizer
+
     model = None
 
     def target():
@@ -365,44 +513,19 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             model = load_target(recipe.target.name_or_path, dist.device, recipe.target.dtype)
         return model
 
-    eval_report = None
-    for name in stages:
+    run = RunState(recipe, out, dist, load_tokenizer(recipe.target.name_or_path), target)
+    for row in (row for row in STAGE_TABLE if row.name in stages):
         start = time.perf_counter()
-        if name == "regenerate":
-            run_regenerate(recipe, out / "regen", dist, target, tokenizer)
-        elif name == "cache":
-            if recipe.train.hidden_states == "online":
-                dist.print("[cache] skipped: train.hidden_states is online (the train stage runs the target itself)")
-                continue
-            run_cache(recipe, out / "regen", out / "cache", dist, target, tokenizer)
-        elif name == "train":
-            run_train(TrainJob(recipe, training_records(recipe, out, tokenizer, target), out / "train", dist, target))
-        elif name == "opd":
-            if recipe.opd.rounds == 0:
-                dist.print("[opd] skipped: opd.rounds is 0 (on-policy distillation is opt-in)")
-                continue
-            run_opd(recipe, training_records(recipe, out, tokenizer, target), out / "train" / "final", out / "opd",
-                    dist, target, tokenizer.eos_token_id)
-        elif name == "eval":
-            if dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
-                with dist.every_core():  # the other ranks wait meanwhile
-                    eval_report = run_eval_stage(recipe, final_draft(recipe, out), out / "eval", target())
-                print_summary(eval_report)
-            dist.wait()
-        elif name == "export":
-            if dist.is_main:
-                if stage.is_done(out / "eval"):
-                    stage.verify_outputs(out / "eval")  # an sts.json edited since the eval wrote it is not shipped
-                sts, sps = out / "eval" / STS_FILENAME, out / "eval" / SPS_FILENAME
-                done = run_export_stage(final_draft(recipe, out), out / "export", recipe.target.name_or_path,
-                                        sts if sts.is_file() else None, sps if sps.is_file() else None)
-                print(f"[export] SGLang checkpoint: {done['path']}\n[export] serve it (GPU) with: {done['command']}",
-                      flush=True)
-            dist.wait()
-        dist.print(f"[{name}] stage time {time.perf_counter() - start:.1f} s")
-    if eval_report is not None:  # rank 0, eval among the stages
-        ngram = eval_report.get("ngram_baseline")
-        versus = (f"; n-gram drafter {ngram['accept_len']:.3f} on the same prompts, {eval_report['tau_vs_ngram']:.2f}x"
+        why = row.skip(recipe)
+        if why is not None:
+            dist.print(f"[{row.name}] skipped: {why}")
+            continue
+        row.run(row.job(run), run)
+        dist.print(f"[{row.name}] stage time {time.perf_counter() - start:.1f} s")
+    if run.eval_report is not None:  # rank 0, eval among the stages
+        report = run.eval_report
+        ngram = report.get("ngram_baseline")
+        versus = (f"; n-gram drafter {ngram['accept_len']:.3f} on the same prompts, {report['tau_vs_ngram']:.2f}x"
                   if ngram else "")
-        print(f"[draftsmith] done: accept length tau = {eval_report['accept_len']:.3f} on {recipe.eval.dataset}"
+        print(f"[draftsmith] done: accept length tau = {report['accept_len']:.3f} on {recipe.eval.dataset}"
               f"{versus} ({out / 'eval' / 'report.json'})", flush=True)

@@ -91,7 +91,7 @@ def architecture_cells(arch: str, out: Path, prompts: Path) -> tuple[dict, list[
     from benchmarks.harness import link_data
     from core.io import read_json
     from data.assets import make_tiny_target
-    from export.convert import export_draft
+    from export.convert import ExportJob, export_draft
     from export.serving import serve_command
 
     cells: dict[str, str] = {}
@@ -120,7 +120,7 @@ def architecture_cells(arch: str, out: Path, prompts: Path) -> tuple[dict, list[
                      "export": str(export) if sglang == "pass" else None,
                      "command": serve_command(final, "sglang", export, str(target)) if sglang == "pass" else None})
         try:
-            vllm = export_draft(final, "vllm", run / "export-vllm", verifier=str(target), overwrite=True)
+            vllm = export_draft(ExportJob(final, "vllm", run / "export-vllm", verifier=str(target), overwrite=True))
             refusal = "pass"
         except Exception as exc:
             vllm, refusal = None, (f"refused: {str(exc).removeprefix('cannot export: ')}"

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from modeling.target import capture_hidden_states, check_layer_ids, target_hidde
 from modeling.vocab import count_tokens
 from core import stage
 from core.dist import Dist, fault_point
+from core.recipe import Recipe
 from core.io import require_free_space, sha256_file
 
 
@@ -162,9 +164,23 @@ ENCODING_NOTE = ("cache.encoding differs (None stands for raw, pinned as before 
                  "cache as it is.")
 
 
-def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tokenizer) -> dict:
-    """The `cache` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
-    out_dir = Path(out_dir)
+@dataclass
+class CacheJob:
+    """What one cache stage runs: the recipe, the regenerate stage's folder it reads, the folder it writes, its
+    ranks, the target (`get_target()` loads it when needed) and its tokenizer."""
+
+    recipe: Recipe
+    regen_dir: Path
+    out_dir: Path
+    dist: Dist
+    get_target: Callable
+    tokenizer: object
+
+
+def run_cache(job: CacheJob) -> dict:
+    """The `cache` stage. Returns the stats in DONE.json."""
+    recipe, regen_dir, out_dir, dist = job.recipe, job.regen_dir, Path(job.out_dir), job.dist
+    get_model, tokenizer = job.get_target, job.tokenizer
     records_sha256 = regen_digest(regen_dir)
     spec = cache_spec(recipe, target_hidden_size(recipe.target.name_or_path), tokenizer)
     settings = {"regen_records_sha256": records_sha256, "spec": asdict(spec), "cache": asdict(recipe.cache),

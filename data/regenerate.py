@@ -27,7 +27,9 @@ import concurrent.futures
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from tqdm.auto import tqdm
 
@@ -38,6 +40,7 @@ from data.rows import Prompt
 from core import stage
 from core.io import atomic_open, atomic_write_json
 from core.dist import Dist, fault_point
+from core.recipe import Recipe
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
@@ -138,9 +141,21 @@ def _system(prompt: Prompt, recipe) -> str | None:
     return prompt.system if prompt.system is not None else recipe.data.system_prompt
 
 
-def run_regenerate(recipe, out_dir: Path, dist: Dist, get_model, tokenizer) -> dict:
-    """The `regenerate` stage; `get_model()` loads the target when needed. Returns the stats in DONE.json."""
-    out_dir = Path(out_dir)
+@dataclass
+class RegenJob:
+    """What one regenerate stage runs: the recipe, the folder it writes, its ranks, the target (`get_target()` loads
+    it when the backend needs it in this process) and its tokenizer."""
+
+    recipe: Recipe
+    out_dir: Path
+    dist: Dist
+    get_target: Callable
+    tokenizer: object
+
+
+def run_regenerate(job: RegenJob) -> dict:
+    """The `regenerate` stage. Returns the stats in DONE.json."""
+    recipe, out_dir, dist, get_model, tokenizer = job.recipe, Path(job.out_dir), job.dist, job.get_target, job.tokenizer
     if stage.is_done(out_dir):  # skipped without reading its prompts: the digest it pinned stands for them
         prompts, digest = None, stage.pinned(out_dir).get(PROMPTS_KEY)
     else:  # before the folder is pinned: a recipe its sources cannot fill is refused here

@@ -37,8 +37,8 @@ from core.server import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, LiveServer, 
 from data.prompts import eval_prompts
 from eval.run import acceptance_metrics, first_turn_ids
 from eval.spec_decode import load_draft, speculative_generate
-from export.convert import export_draft
-from export.serving import (declared_dtype, detect_algorithm, local_gpu_capability, ragged_verify_backend,
+from export.convert import ExportJob, export_draft
+from export.serving import (ServedDraft, declared_dtype, detect_algorithm, local_gpu_capability, ragged_verify_backend,
                             sglang_command, sglang_dtype, sglang_env, sglang_serving_files, vllm_command)
 from modeling.registry import read_config
 from modeling.target import load_target, load_tokenizer, resolve_target
@@ -225,14 +225,15 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     # in the dtype it is served in: --dtype, else fp32 for vLLM on a CPU (the offline loop's), else the target's
     # (export_draft's default)
     on_gpu = torch.cuda.is_available()
-    served = export_draft(draft_dir, engine, out_dir / "served-draft", algorithm=algorithm, verifier=target_path,
-                          dtype=dtype or ("float32" if engine == "vllm" and not on_gpu else None), overwrite=True)
+    served = export_draft(ExportJob(draft_dir, engine, out_dir / "served-draft", algorithm=algorithm,
+                                    verifier=target_path, overwrite=True,
+                                    dtype=dtype or ("float32" if engine == "vllm" and not on_gpu else None)))
     dtype = declared_dtype(read_config(served))  # explicit: under `auto` SGLang runs a float32 config in fp16
     port = free_port()
     if engine == "vllm":
         # No GPU here: skip torch.compile (minutes on CPU, same numerics).
         eager = () if on_gpu or "--enforce-eager" in server_args else ("--enforce-eager",)
-        argv = vllm_command(python, target_path, served, algorithm, gamma, port, dtype=dtype,
+        argv = vllm_command(python, target_path, ServedDraft(served, algorithm, gamma), port, dtype=dtype,
                             extra=eager + tuple(server_args))
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         generate = vllm_generate
@@ -242,8 +243,8 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
         env, generate = sglang_env(served_cfg, algorithm), sglang_generate
         dtype = sglang_dtype(dtype)  # SGLang's GPU kernels: bfloat16 for a float32 export
         backend = ragged_verify_backend(local_gpu_capability()) if env else None
-        argv = sglang_command(python, target_path, served, algorithm, gamma, port, dtype=dtype, sts_path=sts,
-                              sps_path=sps, attention_backend=backend, extra=server_args)
+        argv = sglang_command(python, target_path, ServedDraft(served, algorithm, gamma, sts, sps), port,
+                              dtype=dtype, attention_backend=backend, extra=server_args)
 
     live_outputs, per_request = [], []
     start = time.monotonic()

@@ -1,6 +1,6 @@
 """Export a trained DraftSmith draft folder to a serving checkpoint (SGLang 0.5.23 or vLLM/speculators).
 
-    from export.convert import export_draft; export_draft("runs/x/train/final", "sglang", "exported/x")
+    export_draft(ExportJob("runs/x/train/final", "sglang", "exported/x"))                   (export.convert)
     python export/main.py --checkpoint runs/x/train/final --to sglang --out exported/x      (the CLI)
 
 Input: a draft folder (modeling/registry.py): `config.json`, whose `architectures[0]` is `Qwen3DSparkModel` for
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -402,9 +402,25 @@ def _check_eagle3_mapping(cfg: dict, state: dict[str, torch.Tensor]) -> None:
         raise ValueError("key 'd2t' disagrees with 't2d': arange(draft_vocab_size) + d2t must be the ids where t2d")
 
 
-def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = None, sts_path=None, sps_path=None,
-                 verifier: str | None = None, dtype: str | None = None, overwrite: bool = False) -> Path:
-    """Export a trained draft folder to `to` ("sglang" | "vllm") at `out_dir`; returns the output path.
+@dataclass(frozen=True)
+class ExportJob:
+    """One export (export/main.py's flags, or the pipeline's export stage built from the recipe): the trained draft
+    folder `checkpoint`, the engine format `to` ("sglang" | "vllm"), the folder `out` to write, and what ships or
+    decides beside them (see export_draft)."""
+
+    checkpoint: Path
+    to: str
+    out: Path
+    algorithm: str | None = None
+    sts_path: Path | None = None
+    sps_path: Path | None = None
+    verifier: str | None = None
+    dtype: str | None = None
+    overwrite: bool = False
+
+
+def export_draft(job: ExportJob) -> Path:
+    """Export `job.checkpoint`, a trained draft folder, to `job.to` at `job.out`; returns the output path.
 
     algorithm: None picks it from the config (see module docstring); "dflash"/"dspark"/"eagle3" forces one (and is
     refused when the draft cannot serve that way). sts_path: a DSpark confidence calibration JSON to copy as sts.json,
@@ -413,9 +429,10 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
     them a DSpark export takes `found_serving_files` (the draft folder's, else its run's eval of this draft), leaving
     out an SPS table short of that range. verifier: the target model id/path, written into vLLM's
     speculators_config; its config's dtype is the export's unless `dtype` names one (`serving_dtype`). Raises
-    ValueError on any mismatch; `out_dir` is then left untouched.
+    ValueError on any mismatch; `job.out` is then left untouched.
     """
-    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    checkpoint_dir, to, out_dir, algorithm = Path(job.checkpoint), job.to, Path(job.out), job.algorithm
+    sts_path, sps_path, verifier, dtype, overwrite = job.sts_path, job.sps_path, job.verifier, job.dtype, job.overwrite
     if to not in ENGINES:
         raise ValueError(f"--to must be one of {ENGINES}, got {to!r}")
     weights_path = checkpoint_dir / WEIGHTS_NAME
@@ -497,24 +514,25 @@ def _check_replaceable(out_dir: Path) -> None:
                                f"another folder, or remove it yourself if it really is to go")
 
 
-def run_export_stage(draft_dir: Path, export_dir: Path, target_name: str, sts_path: Path | None,
-                     sps_path: Path | None = None) -> dict:
-    """The pipeline's `export` stage (rank 0): the SGLang checkpoint of the trained draft in export_dir/sglang, in
-    the target's dtype, with the eval's STS calibration and (when it covers SGLang's verify batches,
-    `shippable_sps`) SPS table beside a DSpark draft. Pinned to the draft's and those files' digests and the
-    target's dtype: a retrained draft or a new calibration exports again. Returns {"path", "command"} (the command that serves it)
-    and "note" (what is missing, and how to make it) when there is one; the note is printed each time."""
-    target = resolve_target(target_name)
-    settings = {"draft_sha256": draft_digest(draft_dir), "target": target_name,
+def run_export_stage(job: ExportJob) -> dict:
+    """The pipeline's `export` stage (rank 0): `job.checkpoint`, the trained draft, as an SGLang checkpoint in
+    `job.out` (the stage's folder is its parent), in the target's dtype (`job.verifier`: the recipe's target), with the
+    eval's STS calibration and (when it covers SGLang's verify batches, `shippable_sps`) SPS table beside a DSpark
+    draft. Pinned to the draft's and those files' digests and the target's dtype: a retrained draft or a new
+    calibration exports again. Returns {"path", "command"} (the command that serves it) and "note" (what is missing,
+    and how to make it) when there is one; the note is printed each time."""
+    draft_dir, export_dir, sts_path, sps_path = job.checkpoint, Path(job.out).parent, job.sts_path, job.sps_path
+    target = resolve_target(job.verifier)
+    settings = {"draft_sha256": draft_digest(draft_dir), "target": job.verifier,
                 "target_dtype": target_config_dtype(target),
                 "sts_sha256": sha256_file(sts_path) if sts_path is not None else None,
                 "sps_sha256": sha256_file(sps_path) if sps_path is not None else None}
     done = stage.start(export_dir, settings, "export", on_change="rerun")
     if done is None:
-        path = export_draft(draft_dir, "sglang", Path(export_dir) / "sglang", sts_path=sts_path,
-                            sps_path=shippable_sps(sps_path, read_config(draft_dir)), verifier=target, overwrite=True)
-        done = {"path": str(path), "command": serve_command(draft_dir, "sglang", path, target)}
-        notes = serve_notes(draft_dir, "sglang", path, target)
+        path = export_draft(replace(job, sps_path=shippable_sps(sps_path, read_config(draft_dir)), verifier=target,
+                                    overwrite=True))
+        done = {"path": str(path), "command": serve_command(draft_dir, job.to, path, target)}
+        notes = serve_notes(draft_dir, job.to, path, target)
         if notes:
             done["note"] = "\n".join(notes)
         stage.mark_done(export_dir, done)

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out folder")
     args = parser.parse_args(argv)
     # torch and the models: after --help and argument errors
-    from export.convert import export_draft, run_target, target_config_dtype
+    from export.convert import ExportJob, export_draft, run_target, target_config_dtype
     from export.serving import declared_dtype, serve_command, serve_notes
     from modeling.registry import read_config
     from modeling.target import resolve_target
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(stale, ignore_errors=True)
         target = args.verifier or run_target(args.checkpoint)
         target = resolve_target(target) if target else None  # the embedded SmolLM2's name -> its local folder
-        out = export_draft(args.checkpoint, args.to, args.out, algorithm=args.algorithm, sts_path=args.sts,
-                           sps_path=args.sps, verifier=target, dtype=args.dtype, overwrite=args.overwrite)
+        out = export_draft(ExportJob(args.checkpoint, args.to, args.out, algorithm=args.algorithm, sts_path=args.sts,
+                                     sps_path=args.sps, verifier=target, dtype=args.dtype, overwrite=args.overwrite))
     except (ValueError, FileNotFoundError, FileExistsError, LockedError, LinkedPathError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
         return 2

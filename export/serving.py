@@ -128,15 +128,26 @@ def detect_algorithm(cfg: dict) -> str:
     raise ValueError(f"config architectures[0]={arch!r}: expected LlamaForCausalLMEagle3 or Qwen3DSparkModel")
 
 
-def vllm_command(python: str, target: str, draft_dir: Path, method: str, num_tokens: int, port: int, *,
-                 dtype: str = "float32", max_model_len: int = 2048, extra: tuple[str, ...] = ()) -> list[str]:
-    spec = {"model": str(draft_dir), "method": method, "num_speculative_tokens": num_tokens}
+@dataclass(frozen=True)
+class ServedDraft:
+    """A draft as an engine serves it: its exported folder, the serving algorithm, the tokens it drafts a round, and
+    (SGLang DSpark) the STS calibration and SPS table files served beside it."""
+
+    path: Path
+    algorithm: str
+    num_tokens: int
+    sts_path: Path | None = None
+    sps_path: Path | None = None
+
+
+def vllm_command(python: str, target: str, draft: ServedDraft, port: int, *, dtype: str = "float32",
+                 max_model_len: int = 2048, extra: tuple[str, ...] = ()) -> list[str]:
+    spec = {"model": str(draft.path), "method": draft.algorithm, "num_speculative_tokens": draft.num_tokens}
     return vllm_server_command(python, target, port, dtype=dtype, max_model_len=max_model_len,
                                extra=("--speculative-config", json.dumps(spec), *extra))
 
 
-def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, num_tokens: int, port: int, *,
-                   dtype: str, sts_path: Path | None = None, sps_path: Path | None = None,
+def sglang_command(python: str, target: str, draft: ServedDraft, port: int, *, dtype: str,
                    attention_backend: str | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     """`python -m sglang.launch_server` for an exported draft. DFLASH/DSPARK read their block size from the draft's
     config; EAGLE3 is a chain of `num_tokens` steps (top-k 1). `dtype` is the one to serve in (`sglang_dtype` of the
@@ -144,6 +155,8 @@ def sglang_command(python: str, target: str, draft_dir: Path, algorithm: str, nu
     whose config names none in float16 beside a bfloat16 target, whose hidden states its fc does not cast. The DSpark
     STS/SPS files only take effect with `sglang_env`'s ragged-verify mode set in the server's environment, which needs
     an `attention_backend` that implements it (`ragged_verify_backend`)."""
+    draft_dir, algorithm, num_tokens, sts_path, sps_path = (draft.path, draft.algorithm, draft.num_tokens,
+                                                            draft.sts_path, draft.sps_path)
     argv = sglang_server_command(python, target, port, dtype=dtype,
                                  extra=("--speculative-algorithm", SGLANG_ALGORITHMS[algorithm],
                                         "--speculative-draft-model-path", str(draft_dir)))
@@ -269,13 +282,13 @@ def _serve_argv(checkpoint_dir, to: str, out_dir, target: str | None, algorithm:
     extra = (CHAT_TEMPLATE_DEFAULTS_FLAG, json.dumps(chat)) if chat else ()
     target = str(Path(target).resolve()) if target and Path(target).exists() else target or "<target model path or id>"
     if to == "vllm":
-        return {}, vllm_command("python", target, out_dir, algorithm, gamma, 8000, dtype=declared or "auto",
-                                extra=extra)
+        return {}, vllm_command("python", target, ServedDraft(out_dir, algorithm, gamma), 8000,
+                                dtype=declared or "auto", extra=extra)
     env = sglang_env(cfg, algorithm)
     sts, sps = sglang_serving_files(cfg, algorithm, out_dir)
     backend = ragged_verify_backend(local_gpu_capability()) if env else None
-    return env, sglang_command("python", target, out_dir, algorithm, gamma, 30000, dtype=sglang_dtype(declared),
-                               sts_path=sts, sps_path=sps, attention_backend=backend, extra=extra)
+    return env, sglang_command("python", target, ServedDraft(out_dir, algorithm, gamma, sts, sps), 30000,
+                               dtype=sglang_dtype(declared), attention_backend=backend, extra=extra)
 
 
 def _shell(env: dict[str, str], argv: list[str]) -> str:

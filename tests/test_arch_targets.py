@@ -30,7 +30,7 @@ from data.assets import TINY_ARCHITECTURES, build_qwen3_tokenizer, make_tiny_tar
 from data.chat import build_messages
 from data.regen_backends import HFBackend
 from eval.spec_decode import DSparkDrafter, Eagle3Drafter, OracleDrafter, speculative_generate, target_generate
-from export.convert import export_draft
+from export.convert import ExportJob, export_draft
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config
 from modeling.registry import save_draft
@@ -171,12 +171,12 @@ def test_an_export_an_engine_cannot_serve_is_refused_naming_why(tiny, drafts, tm
     for family in ("eagle3", "dflash", "dspark"):
         out = tmp_path / f"{family}-{engine}"
         if family in served:
-            assert export_draft(drafts / family, engine, out, verifier=tiny(arch)) == out
+            assert export_draft(ExportJob(drafts / family, engine, out, verifier=tiny(arch))) == out
             continue
         hook = "SupportsEagle3" if engine == "vllm" else \
             "set_eagle3_layers_to_capture" if family == "eagle3" else "set_dflash_layers_to_capture"
         with pytest.raises(ValueError, match=rf"cannot serve the {family.upper()} draft beside a \w+ target: .*{hook}"):
-            export_draft(drafts / family, engine, out, verifier=tiny(arch))
+            export_draft(ExportJob(drafts / family, engine, out, verifier=tiny(arch)))
         assert not out.exists()
 
 

@@ -48,6 +48,37 @@ def schema_sources() -> set[str]:
     return {name.strip() for name in doc.split("|") if re.fullmatch(r"[a-z0-9]+", name.strip())}
 
 
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def benchmark_sections() -> set[str]:
+    return {line.lstrip("#").strip() for line in (ROOT / "benchmarks/README.md").read_text().splitlines()
+            if line.startswith("#")}
+
+
+def stale_sections(text: str) -> list[str]:
+    """Links into benchmarks/README.md (`benchmarks/README.md#anchor`, `(#anchor)` inside it) and citations of its
+    sections by title (`benchmarks/README.md, "Title"`) that name no heading there."""
+    sections = benchmark_sections()
+    anchors = {_anchor(title) for title in sections}
+    linked = set(re.findall(r"benchmarks/README\.md#([\w-]+)", text)) - anchors
+    cited = {re.sub(r"[\s#]+", " ", title) for title in re.findall(r'benchmarks/README\.md,\s+"([^"]+)"', text)}
+    titled = {title for title in cited if not any(heading.startswith(title) for heading in sections)}
+    return sorted(linked | titled)
+
+
+def test_every_benchmark_section_cited_exists():
+    files = [ROOT / "README.md", *[p for folder in PACKAGES if folder != "tests" for p in (ROOT / folder).rglob("*")
+                                   if p.suffix in (".py", ".yaml")]]
+    stale = {str(p.relative_to(ROOT)): found for p in files if (found := stale_sections(p.read_text()))}
+    inner = set(re.findall(r"\]\(#([\w-]+)\)", (ROOT / "benchmarks/README.md").read_text()))
+    stale |= {"benchmarks/README.md": sorted(inner - {_anchor(t) for t in benchmark_sections()})} if inner - {
+        _anchor(t) for t in benchmark_sections()} else {}
+    assert stale == {}, f"benchmark sections cited but not in benchmarks/README.md: {stale}"
+
+
 def test_every_script_the_docs_cite_exists():
     stale = {doc: found for doc in DOCS if (found := stale_scripts((ROOT / doc).read_text()))}
     assert stale == {}, f"scripts cited but not in the repository: {stale}"
@@ -79,6 +110,10 @@ def test_each_check_catches_a_planted_stale_name():
     readme = (ROOT / "README.md").read_text()
     assert stale_scripts(readme + "\nrun `python benchmarks/levers.py` first\n") == ["benchmarks/levers.py"]
     assert stale_scripts("see `runs/x/eval/sts.json` and eval.py") == []  # an output path, a script that exists
+    assert stale_sections('[x](benchmarks/README.md#the-overfit-gate), (benchmarks/README.md, "Loss memory")') == []
+    assert stale_sections('[x](benchmarks/README.md#the-overfit-gates) (benchmarks/README.md, "Lost memory")') == [
+        "Lost memory", "the-overfit-gates"]
+    assert stale_sections('(benchmarks/README.md, "Hidden-state\n    # cache encoding")') == []  # a wrapped comment
     assert stale_keys(readme + "\n`--set train.max_step=10`, `loss.vocab_sise`\n") == [
         "loss.vocab_sise", "train.max_step"]
     assert stale_keys("`data.sources[0].weight`, `regen`, `data.sources`, eval.py") == []

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from export.convert import export_draft  # noqa: E402
+from export.convert import ExportJob, export_draft  # noqa: E402
 from export.main import main as export_main  # noqa: E402
 from modeling.dspark import DSparkModel, build_dspark_config  # noqa: E402
 from modeling.eagle3 import Eagle3Model, build_eagle3_config  # noqa: E402
@@ -93,8 +93,8 @@ def _no_leftovers(out: Path) -> None:
 
 
 def test_sglang_configs_and_keys(tmp_path):
-    dspark = export_draft(make_block_draft(tmp_path / "dspark", markov_rank=8, confidence=True), "sglang",
-                          tmp_path / "out-dspark")
+    dspark = export_draft(ExportJob(make_block_draft(tmp_path / "dspark", markov_rank=8, confidence=True), "sglang",
+                          tmp_path / "out-dspark"))
     cfg = json.loads((dspark / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"]
     assert (cfg["block_size"], cfg["markov_rank"], cfg["markov_head_type"], cfg["mask_token_id"]) == (4, 8, "vanilla", 5)
@@ -106,8 +106,8 @@ def test_sglang_configs_and_keys(tmp_path):
             "confidence_head.proj.weight"} <= keys
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
 
-    dflash = export_draft(make_block_draft(tmp_path / "dflash", markov_rank=0, sample_from_anchor=False), "sglang",
-                          tmp_path / "out-dflash")
+    dflash = export_draft(ExportJob(make_block_draft(tmp_path / "dflash", markov_rank=0, sample_from_anchor=False),
+                                    "sglang", tmp_path / "out-dflash"))
     cfg = json.loads((dflash / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"]
     assert cfg["dflash_config"]["block_size"] == 5  # 1+N: verify width gamma+1
@@ -115,7 +115,7 @@ def test_sglang_configs_and_keys(tmp_path):
     keys = set(load_file(str(dflash / "model.safetensors")))
     assert not any(k.startswith(("embed_tokens", "lm_head", "markov", "confidence")) for k in keys)
 
-    eagle = export_draft(make_eagle3_draft(tmp_path / "eagle"), "sglang", tmp_path / "out-eagle")
+    eagle = export_draft(ExportJob(make_eagle3_draft(tmp_path / "eagle"), "sglang", tmp_path / "out-eagle"))
     cfg = json.loads((eagle / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 48
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
@@ -128,13 +128,13 @@ def test_sglang_configs_and_keys(tmp_path):
 def test_sts_copied_for_dspark(tmp_path):
     ckpt = make_block_draft(tmp_path / "d", markov_rank=4, confidence=True)
     (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.1, 1.2, 1.3]}))
-    out = export_draft(ckpt, "sglang", tmp_path / "out")
+    out = export_draft(ExportJob(ckpt, "sglang", tmp_path / "out"))
     assert json.loads((out / "sts.json").read_text())["temperatures"][1] == 1.1
     # a file SGLang would misread is refused by the eval stage's own STS reader, naming the file, and writes nothing
     bad = tmp_path / "bad-sts.json"
     bad.write_text(json.dumps({"temperatures": [1.0, -1.0, 1.2, 1.3]}))
     with pytest.raises(ValueError, match=r"bad-sts\.json.*temperatures\[1\]"):
-        export_draft(ckpt, "sglang", tmp_path / "out-bad", sts_path=bad)
+        export_draft(ExportJob(ckpt, "sglang", tmp_path / "out-bad", sts_path=bad))
     _no_leftovers(tmp_path / "out-bad")
 
 
@@ -149,7 +149,7 @@ def test_sps_table_shipped_and_serve_command_uses_it(tmp_path):
     ckpt = make_block_draft(tmp_path / "d", markov_rank=4, confidence=True)
     (ckpt / "sts.json").write_text(json.dumps({"temperatures": [1.0, 1.1, 1.2, 1.3]}))
     SpsTable((1, 240), (100.0, 60.0), 240).save(ckpt / "sps_table.json")
-    out = export_draft(ckpt, "sglang", tmp_path / "out")
+    out = export_draft(ExportJob(ckpt, "sglang", tmp_path / "out"))
     assert json.loads((out / "sps_table.json").read_text())["sample_steps_per_sec"] == [100.0, 60.0]
     command = serve_command(ckpt, "sglang", out, "some/target")
     assert command.startswith("SGLANG_RAGGED_VERIFY_MODE=compact python -m sglang.launch_server ")
@@ -162,12 +162,12 @@ def test_sps_table_shipped_and_serve_command_uses_it(tmp_path):
     bad.write_text(json.dumps({"sample_batch_tokens": [8, 1], "sample_steps_per_sec": [1.0, 2.0],
                                "max_batch_tokens": 8}))
     with pytest.raises(ValueError, match=r"bad-sps\.json.*ascending"):
-        export_draft(ckpt, "sglang", tmp_path / "out-bad", sps_path=bad)
+        export_draft(ExportJob(ckpt, "sglang", tmp_path / "out-bad", sps_path=bad))
     _no_leftovers(tmp_path / "out-bad")
 
     plain = make_block_draft(tmp_path / "plain", markov_rank=4, confidence=False)
     SpsTable((1, 240), (100.0, 60.0), 240).save(plain / "sps_table.json")
-    plain_out = export_draft(plain, "sglang", tmp_path / "plain-out")
+    plain_out = export_draft(ExportJob(plain, "sglang", tmp_path / "plain-out"))
     command = serve_command(plain, "sglang", plain_out, "some/target")
     assert command.startswith("python -m sglang.launch_server ") and "--speculative-algorithm DSPARK" in command
     assert "sps-table" not in command and "RAGGED" not in command and "--attention-backend" not in command
@@ -191,7 +191,7 @@ def test_sps_table_short_of_sglang_batches_is_not_shipped(tmp_path, capsys):
            "sglang.launch_server" in err
     cpu_table.save(tmp_path / "cpu-sps.json")
     with pytest.raises(ValueError, match=r"cpu-sps\.json: its largest probe is 128 batch tokens.*up to 240"):
-        export_draft(ckpt, "sglang", tmp_path / "o2", sps_path=tmp_path / "cpu-sps.json")
+        export_draft(ExportJob(ckpt, "sglang", tmp_path / "o2", sps_path=tmp_path / "cpu-sps.json"))
     _no_leftovers(tmp_path / "o2")
 
 
@@ -203,7 +203,7 @@ def test_sts_length_must_match_gamma(tmp_path, capsys):
     ckpt = make_block_draft(tmp_path / "d", markov_rank=4, confidence=True)
     save_sts(tmp_path / "three.json", [1.0, 1.1, 1.2])
     with pytest.raises(ValueError, match=r"three\.json holds 3 temperatures.*gamma = block_size = 4"):
-        export_draft(ckpt, "sglang", tmp_path / "out", sts_path=tmp_path / "three.json")
+        export_draft(ExportJob(ckpt, "sglang", tmp_path / "out", sts_path=tmp_path / "three.json"))
     _no_leftovers(tmp_path / "out")
     save_sts(ckpt / "sts.json", [1.0, 1.1, 1.2])
     assert export_main(["--checkpoint", str(ckpt), "--to", "sglang", "--out", str(tmp_path / "out")]) == 2
@@ -303,25 +303,25 @@ def test_strict_errors_leave_no_output(tmp_path, edit, needle):
     for to in ("sglang", "vllm"):
         out = tmp_path / f"out-{to}"
         with pytest.raises(ValueError, match=needle):
-            export_draft(bad, to, out)
+            export_draft(ExportJob(bad, to, out))
         _no_leftovers(out)
 
 
 def test_eagle3_strict_missing_d2t(tmp_path):
     bad = _rewrite_weights(make_eagle3_draft(tmp_path / "good"), tmp_path / "bad", lambda s: s.pop("d2t"))
     with pytest.raises(ValueError, match="'d2t'"):
-        export_draft(bad, "sglang", tmp_path / "out")
+        export_draft(ExportJob(bad, "sglang", tmp_path / "out"))
     _no_leftovers(tmp_path / "out")
 
 
 def test_dflash_refuses_anchor_first(tmp_path):
     ckpt = make_block_draft(tmp_path / "anchor-first", markov_rank=0, sample_from_anchor=True)
     with pytest.raises(ValueError, match="DSPARK.*markov_rank=0"):
-        export_draft(ckpt, "sglang", tmp_path / "out", algorithm="dflash")
+        export_draft(ExportJob(ckpt, "sglang", tmp_path / "out", algorithm="dflash"))
     _no_leftovers(tmp_path / "out")
     # Auto-detection maps it to DSPARK, which SGLang 0.5.23 refuses for markov_rank=0: refused here too.
     with pytest.raises(ValueError, match="markov_rank > 0"):
-        export_draft(ckpt, "sglang", tmp_path / "out")
+        export_draft(ExportJob(ckpt, "sglang", tmp_path / "out"))
     _no_leftovers(tmp_path / "out")
 
 
@@ -350,7 +350,7 @@ def test_vllm_speculators_config(tmp_path, kind):
     else:
         ckpt = make_block_draft(tmp_path / "d", markov_rank=0 if kind == "dflash" else 8,
                                 sample_from_anchor=kind == "dspark", confidence=algorithm == "dspark")
-    out = export_draft(ckpt, "vllm", tmp_path / "out", verifier="some/target")
+    out = export_draft(ExportJob(ckpt, "vllm", tmp_path / "out", verifier="some/target"))
     cfg = json.loads((out / "config.json").read_text())
     spec = cfg["speculators_config"]
     assert spec["algorithm"] == algorithm and spec["default_proposal_method"] == "greedy"
@@ -379,10 +379,10 @@ def test_vllm_refuses_non_vanilla_dspark(tmp_path, head):
     draft from another distribution, so the vLLM export refuses it and says why; SGLang serves it."""
     ckpt = make_block_draft(tmp_path / "d", markov_rank=8, head_type=head, confidence=True)
     with pytest.raises(ValueError, match=rf"markov_head_type='{head}'.*vLLM 0\.32.*only the vanilla"):
-        export_draft(ckpt, "vllm", tmp_path / "out")
+        export_draft(ExportJob(ckpt, "vllm", tmp_path / "out"))
     _no_leftovers(tmp_path / "out")
     assert export_main(["--checkpoint", str(ckpt), "--to", "vllm", "--out", str(tmp_path / "o")]) == 2
-    export_draft(ckpt, "sglang", tmp_path / "out-sglang")
+    export_draft(ExportJob(ckpt, "sglang", tmp_path / "out-sglang"))
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3"])
@@ -396,7 +396,7 @@ def test_refuses_aux_layer_equal_to_last_target_layer(tmp_path, kind):
                                 sample_from_anchor=kind == "dspark", layer_ids=(0, 2, 3))
     for to in ("sglang", "vllm"):
         with pytest.raises(ValueError, match=r"includes 3, the target's last decoder layer.*below 3"):
-            export_draft(ckpt, to, tmp_path / f"out-{to}")
+            export_draft(ExportJob(ckpt, to, tmp_path / f"out-{to}"))
         _no_leftovers(tmp_path / f"out-{to}")
 
 
@@ -424,7 +424,7 @@ def sglang_results(tmp_path_factory):
     for name, (build, cls, env) in SGLANG_CASES.items():
         ckpt = make_eagle3_draft(base / f"{name}-ckpt") if build == "eagle3" else \
             make_block_draft(base / f"{name}-ckpt", **build)
-        out = export_draft(ckpt, "sglang", base / f"{name}-sglang")
+        out = export_draft(ExportJob(ckpt, "sglang", base / f"{name}-sglang"))
         jobs.append({"name": name, "path": str(out), "cls": cls, "env": env})
     proc = subprocess.run([sys.executable, __file__, "--sglang-load", json.dumps(jobs)], capture_output=True,
                           text=True, timeout=600, cwd=ROOT)

@@ -17,7 +17,7 @@ from benchmarks import gpu_check
 from conftest import ROOT
 from test_export import _target_config, make_block_draft
 
-from export.convert import export_draft
+from export.convert import ExportJob, export_draft
 from export.serving import serve_command
 
 
@@ -93,7 +93,7 @@ def bf16_export(tmp_path):
     config.dtype = torch.bfloat16
     config.save_pretrained(target)
     draft = make_block_draft(tmp_path / "draft", markov_rank=8, confidence=True)
-    out = export_draft(draft, "sglang", tmp_path / "export", verifier=str(target))
+    out = export_draft(ExportJob(draft, "sglang", tmp_path / "export", verifier=str(target)))
     return out, f"[export] serve it (GPU) with: {serve_command(draft, 'sglang', out, str(target))}\n"
 
 

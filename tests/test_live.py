@@ -36,7 +36,7 @@ from core.server import LiveServer, ServerStartError, free_port
 from core.server_procs import TAG_VAR, tagged_processes
 from eval.live import (SpecCounters, parse_prometheus, sglang_request_counters, sglang_server_accept_length,
                        vllm_spec_counters)
-from export.serving import vllm_command
+from export.serving import ServedDraft, vllm_command
 
 FAKE_ENGINE = Path(__file__).resolve().parent / "fake_engine.py"
 
@@ -373,7 +373,7 @@ def test_vllm_refusing_a_draft_fails_with_its_log_and_leaves_nothing(vllm_python
     drill("server", "real vLLM refusing the draft")
     from transformers import AutoConfig
 
-    from export.convert import export_draft
+    from export.convert import ExportJob, export_draft
     from modeling.dspark import DSparkModel, build_dspark_config
     from modeling.target import resolve_target
     from modeling.registry import save_draft
@@ -382,9 +382,9 @@ def test_vllm_refusing_a_draft_fails_with_its_log_and_leaves_nothing(vllm_python
     config = build_dspark_config(AutoConfig.from_pretrained(target), num_layers=1, block_size=4,
                                  target_layer_ids=[1, 14, 27], mask_token_id=0, markov_rank=8)
     save_draft(DSparkModel(config), tmp_path / "dspark")
-    served = export_draft(tmp_path / "dspark", "vllm", tmp_path / "served", verifier=target)
+    served = export_draft(ExportJob(tmp_path / "dspark", "vllm", tmp_path / "served", verifier=target))
     port = free_port()
-    server = LiveServer(vllm_command(vllm_python, target, served, "dspark", 4, port, extra=("--enforce-eager",)),
+    server = LiveServer(vllm_command(vllm_python, target, ServedDraft(served, "dspark", 4), port, extra=("--enforce-eager",)),
                         port=port, log_path=tmp_path / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"},
                         startup_timeout=300)
     with pytest.raises(ServerStartError) as err:

@@ -12,7 +12,7 @@ from conftest import run_cli, set_args, tiny_overrides
 from core import stage
 from core.dist import Dist
 from core.recipe import load_recipe
-from data.capture import open_cache, run_cache
+from data.capture import CacheJob, open_cache, run_cache
 from data.online import OnlineRecords
 from modeling.target import load_target, load_tokenizer
 from pipeline import main
@@ -73,7 +73,7 @@ def test_online_states_are_what_an_offline_run_reads_back(tiny_qwen3, tmp_path, 
                                              "cache.batch_size=1", "data.min_loss_tokens=1"])
     regen = three_records(tmp_path)
     model, tokenizer = load_target(str(tiny_qwen3)), load_tokenizer(str(tiny_qwen3))
-    run_cache(recipe, regen, tmp_path / "cache", Dist(), lambda: model, tokenizer)
+    run_cache(CacheJob(recipe, regen, tmp_path / "cache", Dist(), lambda: model, tokenizer))
     offline = open_cache(recipe, tmp_path / "cache", model.config.hidden_size, tokenizer)
     assert offline.manifest["codec"] == encoding
     online = OnlineRecords(recipe, regen, tokenizer, lambda: model)

@@ -25,7 +25,7 @@ from core.server import engine_python_problem
 from core.server_procs import tagged_processes
 from data.chat import render_prompt_ids
 from data.regen_backends import SGLangBackend
-from data.regenerate import read_records, run_regenerate
+from data.regenerate import RegenJob, read_records, run_regenerate
 from modeling.target import load_tokenizer
 from pipeline import main
 
@@ -83,7 +83,7 @@ def sglang_run(tiny_qwen3, prompt_file, tmp_path_factory):
 
     os.environ[LOG_VAR] = str(base / "fake.jsonl")  # the server inherits it
     try:
-        done = run_regenerate(recipe, base / "regen", Dist(), no_target, tokenizer)
+        done = run_regenerate(RegenJob(recipe, base / "regen", Dist(), no_target, tokenizer))
     finally:
         del os.environ[LOG_VAR]
     starts, answered = fake_log(base / "fake.jsonl")

@@ -18,7 +18,7 @@ from conftest import carries
 from data import regen_backends, regenerate
 from data.rows import Prompt
 from data.regen_backends import Answer, OpenAIBackend
-from data.regenerate import regenerate_chunk, run_regenerate
+from data.regenerate import RegenJob, regenerate_chunk, run_regenerate
 from core.dist import Dist
 from core.recipe import load_recipe
 from core.stage import StageMismatchError
@@ -222,7 +222,7 @@ def test_recipe_asking_for_more_prompts_than_its_sources_hold_is_refused_before_
     fixed recipe runs in the same --out."""
     from types import SimpleNamespace
 
-    from data.regenerate import run_regenerate
+    from data.regenerate import RegenJob, run_regenerate
 
     prompts = tmp_path / "five.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"question {i}"]}) + "\n" for i in range(5)))
@@ -235,7 +235,7 @@ def test_recipe_asking_for_more_prompts_than_its_sources_hold_is_refused_before_
 
     out = tmp_path / "regen"
     with pytest.raises(ValueError, match=r"asked for 8 prompts, but .*five\.jsonl' holds 5 .*data\.allow_fewer"):
-        run_regenerate(recipe, out, dist, no_target, tokenizer=None)
+        run_regenerate(RegenJob(recipe, out, dist, no_target, tokenizer=None))
     assert not (out.exists() and any(out.iterdir())), "the refused stage pinned or wrote something"
 
 
@@ -338,7 +338,7 @@ def _run(recipe, out, tokenizer):
     def no_target():
         raise AssertionError("no backend here needs the target model")
 
-    return run_regenerate(recipe, out, Dist(), no_target, tokenizer)
+    return run_regenerate(RegenJob(recipe, out, Dist(), no_target, tokenizer))
 
 
 @pytest.fixture
@@ -508,8 +508,8 @@ def test_vllm_backend_serves_the_target_itself_and_regenerates_the_hf_backends_a
             "regen.max_new_tokens=40", "regen.batch_size=3", "regen.max_concurrency=6",
             f"regen.engine_python={vllm_python}"]
     tokenizer = load_tokenizer("smollm2-135m-instruct")
-    run_regenerate(load_recipe("dspark_smollm2_135m", sets + ["regen.backend=hf"]), tmp_path / "hf", Dist(),
-                   lambda: load_target("smollm2-135m-instruct"), tokenizer)
+    run_regenerate(RegenJob(load_recipe("dspark_smollm2_135m", sets + ["regen.backend=hf"]), tmp_path / "hf", Dist(),
+                            lambda: load_target("smollm2-135m-instruct"), tokenizer))
     marker = f"DRAFTSMITH_TEST_LIVE={uuid.uuid4().hex}"  # what this stage's server inherits, and no other run's
     monkeypatch.setenv(*marker.split("=", 1))
     done = _run(load_recipe("dspark_smollm2_135m", sets + ["regen.backend=vllm"]), tmp_path / "vllm", tokenizer)

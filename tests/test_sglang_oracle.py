@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from eval.calibration import cumulative_confidence  # noqa: E402
-from export.convert import export_draft  # noqa: E402
+from export.convert import ExportJob, export_draft  # noqa: E402
 from export.main import main as export_main  # noqa: E402
 from export.serving import SpsTable, save_sts  # noqa: E402
 from modeling.dspark import DSparkModel, build_dspark_config  # noqa: E402
@@ -94,7 +94,7 @@ def sglang_oracle(tmp_path_factory):
     jobs, ours = [], {}
     for head in HEADS:
         ckpt = make_dspark_checkpoint(base / f"{head}-ckpt", head)
-        out = export_draft(ckpt, "sglang", base / f"{head}-sglang")
+        out = export_draft(ExportJob(ckpt, "sglang", base / f"{head}-sglang"))
         jobs.append({"name": head, "path": str(out), "result": str(base / f"{head}-sglang.pt")})
         model = load_draft_model(ckpt)
         with torch.no_grad():

@@ -32,7 +32,7 @@ from eval.spec_decode import (
 )
 from eval.lookup import LookupFirstDrafter, NgramDrafter, lookup_first_matches, lookup_matches, lookup_proposals
 from eval.scheduler import VerifySchedule
-from export.convert import export_draft
+from export.convert import ExportJob, export_draft
 from export.serving import SpsTable
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config
@@ -476,7 +476,7 @@ def test_load_draft_round_trip(target, tmp_path):
         torch.testing.assert_close(loaded.model.state_dict()[name], value.to(torch.float64))
 
     # The SGLang export drops the frozen embed_tokens / lm_head copies: both come from the target.
-    served = load_draft(export_draft(tmp_path / "dspark", "sglang", tmp_path / "export"), target)
+    served = load_draft(export_draft(ExportJob(tmp_path / "dspark", "sglang", tmp_path / "export")), target)
     torch.testing.assert_close(served.model.lm_head.weight, target.lm_head.weight)
     torch.testing.assert_close(served.model.embed_tokens.weight, target.model.embed_tokens.weight)
     assert served.model.draft_vocab is None and loaded.model.draft_vocab is None
@@ -494,7 +494,7 @@ def test_load_draft_round_trip(target, tmp_path):
     eagle = make_eagle3(target)
     save_draft(eagle, tmp_path / "eagle3")
     # SGLang's EAGLE3 export drops the embedding (the target's) and keeps the draft's own lm_head.
-    loaded = load_draft(export_draft(tmp_path / "eagle3", "sglang", tmp_path / "eagle3-export"), target)
+    loaded = load_draft(export_draft(ExportJob(tmp_path / "eagle3", "sglang", tmp_path / "eagle3-export")), target)
     assert isinstance(loaded, Eagle3Drafter) and torch.equal(loaded.model.d2t, eagle.d2t)
     torch.testing.assert_close(loaded.model.lm_head.weight, eagle.lm_head.weight.double())
     prompt = PROMPTS[2]
@@ -523,7 +523,7 @@ def test_a_draft_refuses_a_target_with_other_weights(target, tmp_path):
     assert isinstance(load_draft(tmp_path / "dspark", tuned, any_target=True), DSparkDrafter)
     # the serving export keeps the key, so an exported draft is checked too
     with pytest.raises(TargetMismatchError):
-        load_draft(export_draft(tmp_path / "dspark", "sglang", tmp_path / "export"), tuned)
+        load_draft(export_draft(ExportJob(tmp_path / "dspark", "sglang", tmp_path / "export")), tuned)
 
 
 # --- T>0: rejection sampling keeps the target distribution ---------------------------------------------------------

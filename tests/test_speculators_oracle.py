@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from export.convert import export_draft  # noqa: E402
+from export.convert import ExportJob, export_draft  # noqa: E402
 from modeling.dspark import DSparkModel, build_dspark_config  # noqa: E402
 from modeling.eagle3 import Eagle3Model, build_eagle3_config  # noqa: E402
 from modeling.registry import load_draft_model, save_draft  # noqa: E402
@@ -95,7 +95,7 @@ def test_vllm_export_loads_into_speculators(tmp_path, target, kind):
     build, config_class = VLLM_KINDS[kind]
     model, target_path = target
     ckpt = _eagle3_draft(tmp_path / "d", model) if build == "eagle3" else _block_draft(tmp_path / "d", model, **build)
-    out = export_draft(ckpt, "vllm", tmp_path / "out", verifier=str(target_path))
+    out = export_draft(ExportJob(ckpt, "vllm", tmp_path / "out", verifier=str(target_path)))
     loaded = SpeculatorModel.from_pretrained(str(out))
     config = loaded.config
     assert type(config).__name__ == config_class
@@ -120,8 +120,8 @@ def test_speculators_dflash_converter_agrees_with_our_vllm_export(tmp_path, targ
 
     model, target_path = target
     ckpt = _block_draft(tmp_path / "d", model, markov_rank=0, sample_from_anchor=False)
-    sglang_export = export_draft(ckpt, "sglang", tmp_path / "sglang")
-    ours = export_draft(ckpt, "vllm", tmp_path / "vllm", verifier=str(target_path))
+    sglang_export = export_draft(ExportJob(ckpt, "sglang", tmp_path / "sglang"))
+    ours = export_draft(ExportJob(ckpt, "vllm", tmp_path / "vllm", verifier=str(target_path)))
     DFlashConverter().convert(str(sglang_export), str(tmp_path / "converted"), base_model=str(target_path),
                               validate=False)
     theirs_cfg = SpeculatorModel.from_pretrained(str(tmp_path / "converted")).config
@@ -200,7 +200,7 @@ def test_vllm_speculators_config_parses_every_export(tmp_path, target):
     for kind, (build, _) in VLLM_KINDS.items():
         ckpt = _eagle3_draft(tmp_path / f"{kind}-d", model) if build == "eagle3" else \
             _block_draft(tmp_path / f"{kind}-d", model, **build)
-        paths[kind] = str(export_draft(ckpt, "vllm", tmp_path / f"{kind}-vllm", verifier=str(target_path)))
+        paths[kind] = str(export_draft(ExportJob(ckpt, "vllm", tmp_path / f"{kind}-vllm", verifier=str(target_path))))
     proc = subprocess.run([python, "-c", _VLLM_PARSE, json.dumps(paths)], capture_output=True, text=True,
                           timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

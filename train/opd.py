@@ -32,13 +32,16 @@ import dataclasses
 import hashlib
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from core import stage
 from core.dist import Dist
+from core.recipe import Recipe
 from core.io import CHECKSUMS_NAME, publish_dir
 from modeling.registry import draft_digest, load_draft_model
 from train.rollout import answer_span, draft_matches, replay_rounds
@@ -99,10 +102,25 @@ def rollout(draft, records, indices: list[int], gamma: int, eos_token_id=None,
     return starts, accepted, tau
 
 
-def run_opd(recipe, records, train_final: Path, out_dir: Path, dist: Dist, get_target, eos_token_id=None) -> dict:
-    """The `opd` stage on the training records (a TargetCache or OnlineRecords), from the train stage's draft;
-    eos_token_id: the tokenizer's, where rollouts stop."""
-    out_dir, opd = Path(out_dir), recipe.opd
+@dataclass
+class OpdJob:
+    """What one opd stage runs: the recipe, the training records (a TargetCache or OnlineRecords), the train stage's
+    draft it starts from, the folder it writes, its ranks, the target (loaded on first call) and the tokenizer's
+    end-of-sequence id (where rollouts stop)."""
+
+    recipe: Recipe
+    records: object
+    train_final: Path
+    out_dir: Path
+    dist: Dist
+    get_target: Callable
+    eos_token_id: int | None = None
+
+
+def run_opd(job: OpdJob) -> dict:
+    """The `opd` stage: rounds of rollout and update from `job.train_final`. Returns the stats in DONE.json."""
+    recipe, records, train_final, dist, get_target = job.recipe, job.records, job.train_final, job.dist, job.get_target
+    out_dir, opd, eos_token_id = Path(job.out_dir), job.recipe.opd, job.eos_token_id
     if not (Path(train_final) / "model.safetensors").is_file():
         raise RuntimeError(f"{train_final} holds no trained draft: run the train stage first (--stages train,opd)")
     opd_settings = dataclasses.asdict(opd)

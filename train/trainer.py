@@ -365,14 +365,15 @@ def describe(job: TrainJob, module, engine: Engine, grad_accum: int) -> str:
             f"engine {engine.kind}{'' if engine.kind == 'ddp' else f' ZeRO-{train.zero_stage}'}")
 
 
-def step_metrics(algo, totals: dict, micro: list[dict], dist: Dist, weight_total: float, *, lr: float,
-                 grad_norm: float | None, started: float, hidden_s: float) -> dict:
-    """The step's metrics over every rank: the family's (loss, tau, ...), then lr, grad norm and speed."""
+def step_metrics(algo, totals: dict, micro: list[dict], dist: Dist, weight_total: float, *, optimizer: dict,
+                 started: float, hidden_s: float) -> dict:
+    """The step's metrics over every rank: the family's (loss, tau, ...), then the optimizer's (`optimizer`: lr and
+    grad norm, the same on every rank) and speed."""
     metrics = algo.summarize(totals, dist, weight_total)
     tokens, = dist.sum(sum(int(b["attention_mask"].sum()) for b in micro))
     elapsed = dist.max(time.perf_counter() - started)
-    metrics.update(lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / elapsed, step_s=elapsed,
-                   hidden_s=dist.max(hidden_s))
+    metrics.update(optimizer)
+    metrics.update(tokens_per_s=tokens / elapsed, step_s=elapsed, hidden_s=dist.max(hidden_s))
     return metrics
 
 
@@ -434,8 +435,8 @@ def run_train(job: TrainJob) -> dict:
         if average is not None:
             average.update(step)
         # --- metrics (global), log, checkpoint
-        metrics = step_metrics(algo, totals, micro, dist, weight_total, lr=lr, grad_norm=grad_norm, started=t0,
-                               hidden_s=hidden_s)
+        metrics = step_metrics(algo, totals, micro, dist, weight_total, optimizer={"lr": lr, "grad_norm": grad_norm},
+                               started=t0, hidden_s=hidden_s)
         first, last = first or metrics, metrics
         logger.log(step + 1, metrics, to_dashboards=(step + 1) % train.log_every == 0 or step == 0)
         bar.update(1)
