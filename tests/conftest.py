@@ -231,7 +231,8 @@ LONGEST_FILES = ("test_overfit_gate.py", "test_trainer.py")
 # Files whose tests run the pipeline end to end, train, or start a serving engine (30 s to 6 min each on 2 cores):
 # marked `slow`, which `make test-fast` leaves out for the edit loop. `make test` runs everything.
 SLOW_FILES = ("test_overfit_gate.py", "test_trainer.py", "test_online.py", "test_drills.py", "test_pipeline.py",
-              "test_opd.py", "test_regenerate.py", "test_eval_report.py", "test_live.py", "test_arch_matrix.py")
+              "test_opd.py", "test_regenerate.py", "test_eval_report.py", "test_live.py", "test_arch_matrix.py",
+              "test_stage_table.py")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the drill and slow markers are added here
