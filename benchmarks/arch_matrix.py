@@ -42,8 +42,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("dspark", "dflash", "eagle3")
-# Families the matrix leaves out, and why (tests/test_family_seam.py holds FAMILIES + these to core/recipe.py's): DFlash2
-# is the DFlash backbone, which the matrix runs on every architecture, plus a selector that reads no target state.
+# Families the matrix leaves out, and why (tests/test_family_seam.py holds FAMILIES + these to core/recipe.py's):
+# DFlash2 is the DFlash backbone, which the matrix runs on every architecture, plus a selector that reads no target
+# state.
 MATRIX_LEAVES_OUT = {"dflash2": "the DFlash backbone (run here) plus a selector that reads no target state"}
 ENGINE_COLUMNS = {"sglang": "SGLang", "vllm": "vLLM"}
 LAYER_IDS = [0, 1, 2]

@@ -461,8 +461,9 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
     if (algorithm == "eagle3") != (detected == "eagle3"):
         raise ValueError(f"a {cfg['architectures'][0]} draft cannot export as {algorithm.upper()}")
     if (algorithm == "dflash2") != (detected == "dflash2"):  # the selector would be dropped, or there is none
-        raise ValueError(f"a draft {'with' if detected == 'dflash2' else 'without'} a candidate selector (selector_rank "
-                         f"{cfg.get('selector_rank', 0)}) cannot export as {algorithm.upper()}; export it as "
+        has = "with" if detected == "dflash2" else "without"
+        raise ValueError(f"a draft {has} a candidate selector (selector_rank {cfg.get('selector_rank', 0)}) cannot "
+                         f"export as {algorithm.upper()}; export it as "
                          f"{detected.upper()} (leave out --algorithm)")
     _check_serving_support(cfg, algorithm, to)
     unserved = unserved_target(to, algorithm, (target_shape(verifier) or {}).get("architecture") if verifier else None)

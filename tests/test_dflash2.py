@@ -226,7 +226,8 @@ def test_save_load_round_trip_keeps_the_selector(target, tmp_path):
     save_draft(model, tmp_path / "d")
     loaded = load_draft_model(tmp_path / "d", target)
     assert loaded.candidate_selector is not None and loaded.candidate_selector.top_k == TOP_K
-    torch.testing.assert_close(loaded.candidate_selector.successor_codebook, model.candidate_selector.successor_codebook)
+    torch.testing.assert_close(loaded.candidate_selector.successor_codebook,
+                               model.candidate_selector.successor_codebook)
 
 
 # --- SGLang 0.5.23's DFlash2DraftModel on our export ----------------------------------------------------------------
@@ -450,6 +451,22 @@ def test_live_vllm_check_on_cpu_is_refused_naming_why(target, tmp_path, vllm_pyt
                       dataset="mtbench", out_dir=tmp_path / "live", num_samples=1, max_new_tokens=4,
                       engine_python=vllm_python)
     assert not (tmp_path / "live" / "served-draft").exists()
+
+
+
+
+def test_export_refuses_to_drop_or_invent_the_selector(target, tmp_path):
+    from modeling.dspark import DSparkModel as Model
+
+    save_draft(make_dflash2(target), tmp_path / "d2")
+    with pytest.raises(ValueError, match="with a candidate selector .* cannot export as DFLASH; export it as DFLASH2"):
+        export_draft(tmp_path / "d2", "sglang", tmp_path / "o1", algorithm="dflash")
+    config = build_dspark_config(target.config, num_layers=1, block_size=GAMMA, target_layer_ids=LAYER_IDS,
+                                 mask_token_id=5, markov_rank=0, enable_confidence_head=False, sample_from_anchor=False)
+    save_draft(Model(config), tmp_path / "d1")
+    with pytest.raises(ValueError, match="without a candidate selector"):
+        export_draft(tmp_path / "d1", "vllm", tmp_path / "o2", algorithm="dflash2")
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--sglang":
