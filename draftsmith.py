@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # an installed console script starts from its own bin/ folder
     sys.path.insert(0, str(ROOT))
 
-from core.recipe import keys_table, list_recipes, recipe_keys, recipe_summary  # noqa: E402
+from core.recipe import RECIPES_DIR, list_recipes, recipe_keys  # noqa: E402
 
 #: subcommand -> (what it does, the script it is); the order `draftsmith --help` lists them in
 COMMANDS = {
@@ -45,6 +48,24 @@ def _parser() -> argparse.ArgumentParser:
                     "beside prompt lookup, export them for SGLang and vLLM.\n\ncommands:\n" + "\n".join(lines),
         epilog="`draftsmith COMMAND --help` shows a command's flags. Several ranks: torchrun --nproc_per_node N -m "
                "draftsmith train --recipe NAME (from the repository root).")
+
+
+def recipe_summary(name: str, width: int = 100) -> str:
+    """A recipe's one-line description: the first sentence of the comment that opens its file."""
+    lines = (RECIPES_DIR / f"{name}.yaml").read_text().splitlines()
+    opening = " ".join(line[1:].strip() for line in itertools.takewhile(lambda l: l.startswith("#"), lines))
+    sentence = opening.split(". ")[0].split("   ")[0].rstrip(".")
+    return sentence if len(sentence) <= width else sentence[: width - 3].rsplit(" ", 1)[0] + " ..."
+
+
+def keys_table(rows: list[dict]) -> str:
+    """The key table in Markdown, one row a key (recipes/KEYS.md is this, for every key)."""
+    lines = ["| key | type | default | bound | what |", "| --- | --- | --- | --- | --- |"]
+    for row in rows:
+        default = yaml.safe_dump(row["default"], default_flow_style=True, width=10_000).strip().removesuffix("...")
+        lines.append(f"| `{row['key']}` | {row['type']} | `{default.strip()}` | {row['bound']} | "
+                     f"{row['doc'].replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
 
 
 def run_recipes(argv: list[str]) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import itertools
 import math
 import types
 import typing
@@ -30,8 +29,9 @@ from core.redact import redact_url, redact_urls
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 #: the drafter families a recipe trains; modeling/registry.py maps each to its model class. The block families are
-#: one model (modeling/dspark.py): DFlash is DSpark with its Markov and confidence heads off.
-BLOCK_FAMILIES = ("dspark", "dflash")
+#: one model (modeling/dspark.py): DFlash is DSpark with its Markov and confidence heads off, DFlash2 is DFlash plus
+#: the candidate selector (modeling/selector.py).
+BLOCK_FAMILIES = ("dspark", "dflash", "dflash2")
 FAMILIES = (*BLOCK_FAMILIES, "eagle3")
 
 
@@ -202,6 +202,11 @@ class DraftConfig:
     init_copy: Literal["none", "trained", "frozen"] = setting(
         "none", "block drafters: trained = layer 0's attention starts as prompt lookup does; frozen = that start kept "
         "while the rest trains")
+    # the tables rescore the lm_head's top K per slot with the transition from the previous slot's pick
+    selector_rank: int = setting(0, "DFlash2's candidate selector: rank of its predecessor/successor tables (0 = "
+                                 "none)", bound=NON_NEGATIVE)
+    selector_top_k: int = setting(16, "DFlash2's candidate selector: the K candidates per slot (the lm_head's top K)",
+                                  bound=Bound(low=2))
     ttt_length: int = setting(7, "Eagle3: test-time-training steps unrolled", bound=POSITIVE)
     draft_vocab_size: Optional[int] = setting(None, "Eagle3: the pruned draft vocabulary (None: the family's default)",
                                               bound=POSITIVE)
@@ -215,6 +220,9 @@ class LossConfig:
     loss_decay_gamma: float = setting(4.0, "w_k = exp(-(k-1)/gamma) per block position", bound=POSITIVE)
     soft_ce_alpha: float = setting(0.0, "block drafters: CE against the target's whole distribution (dense soft "
                                    "labels)", bound=NON_NEGATIVE)
+    # speculators' selector_loss_alpha; the label is put in place of the K-th candidate when absent.
+    selector_alpha: float = setting(0.0, "DFlash2: weight of the selector's K-way CE over the draft's top-K "
+                                    "candidates (against loss.ce_labels)", bound=NON_NEGATIVE)
     # the L1 term has almost no gradient while the draft puts ~1/V on the target's token.
     ce_warmup_steps: int = setting(0, "block drafters: the first N optimizer steps train CE only", bound=NON_NEGATIVE)
     accept_stats: bool = setting(True, "compute training tau and accept_rate even when no loss term needs the target "
@@ -358,16 +366,6 @@ def _type_text(tp) -> str:
     return _type_name(tp)
 
 
-def keys_table(rows: list[dict]) -> str:
-    """The key table in Markdown, one row a key (recipes/KEYS.md is this, for every key)."""
-    lines = ["| key | type | default | bound | what |", "| --- | --- | --- | --- | --- |"]
-    for row in rows:
-        default = yaml.safe_dump(row["default"], default_flow_style=True, width=10_000).strip().removesuffix("...")
-        lines.append(f"| `{row['key']}` | {row['type']} | `{default.strip()}` | {row['bound']} | "
-                     f"{row['doc'].replace('|', '/')} |")
-    return "\n".join(lines) + "\n"
-
-
 # --- loading ------------------------------------------------------------------------------------------------------
 
 
@@ -382,14 +380,6 @@ class RecipeError(ValueError):
 
 def list_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-
-
-def recipe_summary(name: str, width: int = 100) -> str:
-    """A recipe's one-line description: the first sentence of the comment that opens its file."""
-    lines = (RECIPES_DIR / f"{name}.yaml").read_text().splitlines()
-    opening = " ".join(line[1:].strip() for line in itertools.takewhile(lambda l: l.startswith("#"), lines))
-    sentence = opening.split(". ")[0].split("   ")[0].rstrip(".")
-    return sentence if len(sentence) <= width else sentence[: width - 3].rsplit(" ", 1)[0] + " ..."
 
 
 def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
@@ -570,6 +560,7 @@ def _check_values(recipe: Recipe) -> None:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
     problems += [f"regen.server_urls[{i}]: {redact_url(url)!r} is not an http(s) URL; write it as http://host:port"
                  for i, url in enumerate(recipe.regen.server_urls) if not url.startswith(("http://", "https://"))]
+    problems += _selector_problems(recipe)
     if not is_plain_name(recipe.name):
         problems.append(f"name {recipe.name!r} must be a plain name (no '/', not '.' or '..'): it names the run's "
                         f"folder runs/<name> and must stay inside runs/; use --out to write elsewhere")
@@ -592,6 +583,23 @@ def _bound_problems(obj, prefix: str = "") -> list[str]:
             numbers = value if isinstance(value, list) else [value]
             if not all(bound.holds(v) for v in numbers if isinstance(v, (int, float)) and math.isfinite(v)):
                 problems.append(f"{dotted} must be {bound.text()}, got {value}{bound.then}")
+    return problems
+
+
+def _selector_problems(recipe: Recipe) -> list[str]:
+    """DFlash2 is the family with a candidate selector, and the selector serves only in SGLang's and vLLM's DFLASH
+    worker (the 1+N layout, no Markov or confidence head)."""
+    d = recipe.draft
+    if recipe.family != "dflash2":
+        return [] if d.selector_rank == 0 else [f"draft.selector_rank={d.selector_rank} is DFlash2's candidate "
+                                                f"selector: set family: dflash2, or draft.selector_rank=0"]
+    problems = []
+    if d.selector_rank < 1 or d.selector_top_k < 2:
+        problems.append(f"family dflash2 needs draft.selector_rank >= 1 and draft.selector_top_k >= 2 (got "
+                        f"{d.selector_rank}, {d.selector_top_k}); base: [dflash2] sets 256 and 16")
+    if d.sample_from_anchor or d.markov_rank or d.enable_confidence_head:
+        problems.append("family dflash2 serves through SGLang's and vLLM's DFLASH worker: set "
+                        "draft.sample_from_anchor=false, draft.markov_rank=0, draft.enable_confidence_head=false")
     return problems
 
 

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from conftest import ROOT, run_cli
-from core.recipe import list_recipes, recipe_keys, recipe_summary
+from core.recipe import list_recipes, recipe_keys
+from draftsmith import recipe_summary
 
 
 def entry_point():

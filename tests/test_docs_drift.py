@@ -8,8 +8,9 @@ from __future__ import annotations
 import re
 
 from conftest import ROOT
-from core.recipe import SourceConfig, keys_table, recipe_keys
+from core.recipe import SourceConfig, recipe_keys
 from data.sources import BUILTIN_SOURCES
+from draftsmith import keys_table
 
 DOCS = ("README.md", "benchmarks/README.md", "Makefile")
 KEY_DOCS = ("README.md", "Makefile")  # benchmarks/README.md also names modules (eval.compare) the way keys look
