@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import math
 import types
 import typing
@@ -44,6 +45,9 @@ class TargetConfig:
     layer_ids: list[int] = field(default_factory=lambda: [1, 8, 14, 21, 27])
     #: auto = bfloat16 on GPU, float32 on CPU.
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    #: a Jinja chat template file used instead of the tokenizer's own (None: the tokenizer's; a tokenizer with none is
+    #: refused where a chat is rendered).
+    chat_template: Optional[str] = None
 
 
 @dataclass
@@ -312,14 +316,41 @@ def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
         close = difflib.get_close_matches(str(name_or_path), list_recipes(), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise RecipeError(f"no recipe '{name_or_path}'.{hint} `python train/main.py --list-recipes` lists them.")
-    raw = _read_with_bases(path, seen=())
+    return _finish(_read_with_bases(path, seen=()), overrides, path.stem)
+
+
+def compose_recipe(bases: list[str], fields: dict, overrides: list[str], name: str) -> Recipe:
+    """A recipe with no file of its own (train/main.py --target): `bases` (recipes/base/) merged in order, then
+    `fields` (keys derived from the target), then the --set `overrides`, which win over both."""
+    raw: dict = {}
+    for base in bases:
+        _deep_merge(raw, _read_with_bases(RECIPES_DIR / "base" / f"{base}.yaml", seen=()))
+    _deep_merge(raw, fields)
+    return _finish(raw, overrides, name)
+
+
+def chat_template_pin(target: TargetConfig) -> dict:
+    """What a stage that renders chats pins of target.chat_template: the file's digest (nothing when the tokenizer's
+    own is used, so that folders made before the key keep their pins)."""
+    if target.chat_template is None:
+        return {}
+    return {"chat_template_sha256": hashlib.sha256(Path(target.chat_template).expanduser().read_bytes()).hexdigest()}
+
+
+def overridden(overrides: list[str], key: str) -> bool:
+    """Whether a --set in `overrides` sets dotted `key` (or a section holding it)."""
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
+def _finish(raw: dict, overrides: list[str], name: str) -> Recipe:
     for item in overrides:
         _apply_override(raw, item)
-    raw.setdefault("name", path.stem)
+    raw.setdefault("name", name)
     errors: list[str] = []
     recipe = _build(Recipe, raw, "", errors)
     if errors:
-        raise RecipeError(f"recipe '{path.stem}' is invalid:\n  " + "\n  ".join(errors))
+        raise RecipeError(f"recipe '{name}' is invalid:\n  " + "\n  ".join(errors))
     _check_values(recipe)
     return recipe
 

@@ -99,10 +99,13 @@ def load_target(name_or_path: str, device: torch.device | str = "cpu", dtype: st
     return model
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, chat_template: str | None = None):
+    """The target's tokenizer; `chat_template` (recipe target.chat_template): a Jinja file that replaces its own."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(name_or_path))
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).expanduser().read_text()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
