@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--recipe", help="recipe name (see --list-recipes) or path to a recipe .yaml")
     parser.add_argument("--target", help="without --recipe: your own target (Hugging Face id or model folder); the "
                         "target-specific keys are picked from its config and tokenizer, each printed with its reason")
-    parser.add_argument("--prompts", help="with --target: the training prompts (.jsonl/.json rows, or .txt: one a line)")
+    parser.add_argument("--prompts", help="with --target: the training prompts (.jsonl/.json rows; .txt: one a line)")
     parser.add_argument("--family", choices=FAMILIES, default="dspark", help="with --target: the drafter family")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma-separated stages to run, in order, from {','.join(STAGES)} (default: all)")

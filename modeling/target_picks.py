@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 
 from core.recipe import BLOCK_FAMILIES, overridden
 from modeling.target import load_tokenizer, resolve_target
@@ -106,7 +107,7 @@ def pick_mask_token(tokenizer, vocab_size: int, eos_ids: set[int]) -> tuple[int 
 
 def pick_dtype(checkpoint_dtype: str | None, on_gpu: bool) -> tuple[str, str]:
     """target.dtype: the checkpoint's own half precision on a GPU; float32 on a CPU (load_target's rule: a CPU
-    without bf16 matrix units emulates bf16, and training's precision auto still autocasts to bf16 where it has them)."""
+    without bf16 matrix units emulates bf16; training's precision auto still autocasts to bf16 where it has them)."""
     if on_gpu and checkpoint_dtype in ("bfloat16", "float16"):
         return checkpoint_dtype, "the checkpoint's own dtype"
     if on_gpu:
@@ -161,8 +162,11 @@ def pick_for_target(name_or_path: str, family: str, overrides: list[str], on_gpu
     config = AutoConfig.from_pretrained(resolve_target(name_or_path))
     text = getattr(config, "text_config", config)
     picks = Picks()
-    free = lambda key: not overridden(overrides, key)  # noqa: E731
-    template = next((item.split("=", 1)[1].strip() for item in overrides
+
+    def free(key: str) -> bool:
+        return not overridden(overrides, key)
+
+    template = next((yaml.safe_load(item.split("=", 1)[1]) for item in overrides
                      if item.split("=", 1)[0].strip() == "target.chat_template"), None)
     if template and not Path(template).expanduser().is_file():
         picks.refusals.append(f"target.chat_template: no file {template!r}: give a Jinja chat template file")

@@ -69,7 +69,8 @@ def test_picks_on_tiny_targets(tiny, arch):
     assert picks.refusals == []
     assert picks.fields["target"] == {"layer_ids": [1, 3, 5, 7, 9], "dtype": "float32"}
     # the Qwen3 vocabulary make_tiny_target writes: the first row past the tokenizer, as the Qwen3 recipes
-    assert picks.fields["draft"]["mask_token_id"] == len(tokenizer) == load_recipe("dspark_qwen3_8b").draft.mask_token_id
+    qwen3_mask = load_recipe("dspark_qwen3_8b").draft.mask_token_id
+    assert picks.fields["draft"]["mask_token_id"] == len(tokenizer) == qwen3_mask
     assert picks.fields["draft"]["num_layers"] == 2 and picks.fields["draft"]["markov_rank"] == 64  # a tiny target
     assert len(picks.lines) == 7 and all(": " in line for line in picks.lines)  # each pick says why
     # the parameters the size is picked by are the real model's, experts and MLA included
