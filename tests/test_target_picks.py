@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -199,3 +200,17 @@ def test_one_command_on_a_tiny_llama3(tiny, tmp_path):
     exported = json.loads((out / "export" / "sglang" / "config.json").read_text())
     assert exported["mask_token_id"] == 151669 and exported["num_hidden_layers"] == 2
     assert json.loads((out / "eval" / "report.json").read_text())["accept_len"] >= 1.0
+    # a --set chat template is the one the engine is told to render requests with (the same text here)
+    template = tmp_path / "template.jinja"
+    template.write_text(load_tokenizer(path).chat_template)
+    again = subprocess.run([sys.executable, str(ROOT / "train" / "main.py"), "--target", path, "--prompts",
+                            str(prompts), "--out", str(out), "--stages", "export",
+                            *set_args({**sets, "target.chat_template": template})],
+                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "[pick] target.chat_template = " in again.stdout
+    command = next(line for line in again.stdout.splitlines() if line.startswith("[export] serve it"))
+    argv = shlex.split(command.split(" with: ", 1)[1])
+    from sglang.srt.server_args import prepare_server_args
+
+    assert prepare_server_args(argv[argv.index("sglang.launch_server") + 1:]).chat_template == str(template)
