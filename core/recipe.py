@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import hashlib
 import math
 import types
 import typing
@@ -337,18 +336,9 @@ def compose_recipe(bases: list[str], fields: dict, overrides: list[str], name: s
     return _finish(raw, overrides, name)
 
 
-def chat_template_pin(target: TargetConfig) -> dict:
-    """What a stage that renders chats pins of target.chat_template: the file's digest (nothing when the tokenizer's
-    own is used, so that folders made before the key keep their pins)."""
-    if target.chat_template is None:
-        return {}
-    return {"chat_template_sha256": hashlib.sha256(Path(target.chat_template).expanduser().read_bytes()).hexdigest()}
-
-
 def overridden(overrides: list[str], key: str) -> bool:
     """Whether a --set in `overrides` sets dotted `key` (or a section holding it)."""
-    keys = [item.split("=", 1)[0].strip() for item in overrides]
-    return any(key == k or key.startswith(k + ".") for k in keys)
+    return any(key == k or key.startswith(k + ".") for k in (item.split("=", 1)[0].strip() for item in overrides))
 
 
 def _finish(raw: dict, overrides: list[str], name: str) -> Recipe:

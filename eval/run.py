@@ -33,7 +33,6 @@ from tqdm.auto import tqdm
 
 from core import stage
 from core.io import atomic_open, atomic_write_json, atomic_write_text, make_dir, read_json
-from core.recipe import chat_template_pin
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import DEFAULT_HOLDOUT_FRACTION, eval_prompts
 from eval import SCHEDULES
@@ -45,7 +44,7 @@ from eval.spec_decode import (DraftLMDrafter, GenerationResult, is_greedy, load_
                               target_generate)
 from export.serving import SPS_FILENAME, STS_FILENAME, SpsTable, load_sts, save_sts
 from modeling.registry import draft_digest
-from modeling.target import TargetRunner, load_target, load_tokenizer
+from modeling.target import TargetRunner, chat_template_pin, load_target, load_tokenizer
 
 
 def acceptance_metrics(rounds, gamma: int) -> dict:
@@ -312,7 +311,7 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
     key or a retrained draft runs the stage again instead of silently reusing the old report (and sts.json)."""
     settings = {"eval": vars(recipe.eval), "seed": recipe.seed, "target": recipe.target.name_or_path,
                 "system_prompt": recipe.data.system_prompt, "enable_thinking": recipe.regen.enable_thinking,
-                "draft_sha256": draft_digest(draft_dir), **chat_template_pin(recipe.target)}
+                "draft_sha256": draft_digest(draft_dir), **chat_template_pin(recipe.target.chat_template)}
     if stage.start(eval_dir, settings, "eval", on_change="rerun") is not None:
         stage.verify_outputs(eval_dir)  # a report rewritten since (another eval's) is refused, not printed as ours
         return read_json(Path(eval_dir) / "report.json")

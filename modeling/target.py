@@ -111,6 +111,14 @@ def load_tokenizer(name_or_path: str, chat_template: str | None = None):
     return tokenizer
 
 
+def chat_template_pin(chat_template: str | None) -> dict:
+    """What a stage that renders chats pins of the recipe's target.chat_template: the file's digest (nothing when the
+    tokenizer's own is used, so that folders made before the key keep their pins)."""
+    if chat_template is None:
+        return {}
+    return {"chat_template_sha256": hashlib.sha256(Path(chat_template).expanduser().read_bytes()).hexdigest()}
+
+
 def target_hidden_size(name_or_path: str) -> int:
     from transformers import AutoConfig
 

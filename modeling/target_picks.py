@@ -29,11 +29,14 @@ from modeling.target import load_tokenizer, resolve_target
 #: block drafters capture DeepSpec's five target layers; Eagle3 three (low, middle, high), SGLang's convention.
 BLOCK_LAYERS, EAGLE3_LAYERS = 5, 3
 #: a target with at least this many non-embedding parameters gets DeepSpec's draft (5 layers, Markov rank 256: chosen
-#: for Qwen3-4B..14B); a smaller one the SmolLM2 recipes' (2 layers, rank 64, Eagle3 vocabulary 8192), so the draft
-#: stays a small share of the target's cost (DSpark paper Fig. 3: a 2-layer DSpark beats a 5-layer DFlash).
+#: for Qwen3-4B..14B; DFlash2's selector rank alike, speculators' default); a smaller one the SmolLM2 recipes' (2
+#: layers, rank 64, Eagle3 vocabulary 8192), so the draft stays a small share of the target's cost (DSpark paper
+#: Fig. 3: a 2-layer DSpark beats a 5-layer DFlash).
 LARGE_TARGET_PARAMS = 1_000_000_000
-LARGE_DRAFT = {"num_layers": 5, "markov_rank": 256, "draft_vocab_size": 32000}
-SMALL_DRAFT = {"num_layers": 2, "markov_rank": 64, "draft_vocab_size": 8192}
+LARGE_DRAFT = {"num_layers": 5, "rank": 256, "draft_vocab_size": 32000}
+SMALL_DRAFT = {"num_layers": 2, "rank": 64, "draft_vocab_size": 8192}
+#: the family's low-rank table over the vocabulary, sized by the rank above
+RANK_KEYS = {"dspark": "markov_rank", "dflash2": "selector_rank"}
 _PROBE = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"},
           {"role": "user", "content": "v"}]
 
@@ -143,8 +146,8 @@ def pick_draft_size(params: int, num_layers: int, hidden: int, family: str, voca
         vocab = min(size["draft_vocab_size"], vocab_size)
         return {"draft_vocab_size": (vocab, f"{why} (at most the target's vocabulary {vocab_size})")}
     picked = {"num_layers": (min(size["num_layers"], num_layers), f"{why} (at most the target's {num_layers} layers)")}
-    if family == "dspark":
-        picked["markov_rank"] = (min(size["markov_rank"], hidden), f"{why} (at most the target's width {hidden})")
+    if family in RANK_KEYS:
+        picked[RANK_KEYS[family]] = (min(size["rank"], hidden), f"{why} (at most the target's width {hidden})")
     return picked
 
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from conftest import ROOT, set_args
-from core.recipe import compose_recipe, load_recipe
+from core.recipe import FAMILIES, compose_recipe, load_recipe
 from data.assets import build_qwen3_tokenizer, make_tiny_target
 from data.sources import read_source, resolve_source
 from modeling.target import load_target, load_tokenizer
@@ -97,7 +97,7 @@ def test_mask_token_picks_on_real_tokenizers(smollm2_tokenizer):
 
 def test_smollm2_picks_match_its_recipes():
     """The real SmolLM2 target: every pick equals its hand-written recipe's, but Eagle3's layers (see above)."""
-    for family in ("dspark", "dflash", "eagle3"):
+    for family in FAMILIES:
         recipe = load_recipe(f"{family}_smollm2_135m")
         fields = pick_for_target("smollm2-135m-instruct", family, [], on_gpu=False).fields
         if family != "eagle3":
@@ -106,6 +106,8 @@ def test_smollm2_picks_match_its_recipes():
             assert fields["draft"]["num_layers"] == recipe.draft.num_layers == 2
         if family == "dspark":
             assert fields["draft"]["markov_rank"] == recipe.draft.markov_rank == 64
+        if family == "dflash2":
+            assert fields["draft"]["selector_rank"] == recipe.draft.selector_rank == 64
         if family == "eagle3":
             assert fields["draft"] == {"draft_vocab_size": recipe.draft.draft_vocab_size}
         # float32: the checkpoint's, and what the recipes' auto runs on a CPU
@@ -119,6 +121,9 @@ def test_a_large_target_gets_deepspecs_draft(qwen3_8b_config):
     assert picks.fields["target"] == {"layer_ids": recipe.target.layer_ids, "dtype": "bfloat16"}
     assert picks.fields["draft"] == {"mask_token_id": recipe.draft.mask_token_id,
                                      "num_layers": recipe.draft.num_layers, "markov_rank": recipe.draft.markov_rank}
+    dflash2 = pick_for_target(qwen3_8b_config, "dflash2", [], on_gpu=True).fields["draft"]
+    assert (dflash2["num_layers"], dflash2["selector_rank"]) == (load_recipe("dflash2_qwen3_8b").draft.num_layers,
+                                                                 load_recipe("dflash2_qwen3_8b").draft.selector_rank)
     eagle3 = pick_for_target(qwen3_8b_config, "eagle3", [], on_gpu=False).fields
     assert eagle3["target"]["layer_ids"] == load_recipe("eagle3_qwen3_8b").target.layer_ids
     assert eagle3["draft"] == {"draft_vocab_size": load_recipe("eagle3_qwen3_8b").draft.draft_vocab_size}
