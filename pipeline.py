@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages regenerate,cache --set data.num_prompts=64
     python train/main.py --list-recipes
+    python train/main.py --target PATH_OR_ID --prompts FILE --family dspark   # your own target, no recipe
 
 Stages (STAGE_TABLE: each row's folder, outputs, job object and runner): regenerate (the target answers the prompts)
 -> cache (target hidden states; skipped when train.hidden_states is online) -> train -> opd (on-policy distillation;
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +32,8 @@ from core import stage
 from core.io import (DamagedFileError, LinkedPathError, LockedError, atomic_write_bytes, atomic_write_text, link_problem,
                      links_under, lock_for_process, own_root, remove_own_temps, require_free_space)
 from core.malloc import keep_freed_memory
-from core.recipe import RecipeError, list_recipes, load_recipe, shareable_recipe_dict
+from core.recipe import (FAMILIES, RecipeError, compose_recipe, list_recipes, load_recipe, overridden,
+                         shareable_recipe_dict)
 from core.server import ENGINES, engine_python_problem
 from data.prompts import training_overlap
 from data.sources import source_problem
@@ -50,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                "--stages regenerate,cache --set data.num_prompts=64",
     )
     parser.add_argument("--recipe", help="recipe name (see --list-recipes) or path to a recipe .yaml")
+    parser.add_argument("--target", help="without --recipe: your own target (Hugging Face id or model folder); the "
+                        "target-specific keys are picked from its config and tokenizer, each printed with its reason")
+    parser.add_argument("--prompts", help="with --target: the training prompts (.jsonl/.json rows; .txt: one a line)")
+    parser.add_argument("--family", choices=FAMILIES, default="dspark", help="with --target: the drafter family")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma-separated stages to run, in order, from {','.join(STAGES)} (default: all)")
     parser.add_argument("--out", help="output folder for every stage (default: runs/<recipe>)")
@@ -58,9 +65,44 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "`draftsmith recipes --keys` lists every key with its type, default and bound)")
     parser.add_argument("--list-recipes", action="store_true", help="print every recipe name, one a line, and exit")
     args = parser.parse_args(argv)
-    if not args.list_recipes and not args.recipe:
-        parser.error("--recipe is required (see --list-recipes)")
+    if not args.list_recipes and not args.recipe and not args.target:
+        parser.error("--recipe or --target is required (see --list-recipes)")
+    if args.recipe and (args.target or args.prompts):
+        parser.error("--target and --prompts pick a generic recipe; with --recipe use --set target.name_or_path=... "
+                     "and --set \"data.sources=[{name: FILE}]\"")
     return args
+
+
+def own_recipe(args):
+    """The generic recipe for --target (recipes/base/own.yaml and the family's base): the target-specific keys picked
+    from the target (modeling/target_picks.py), one printed line each, the --set overrides winning over them; None
+    after printing why when something cannot be picked."""
+    import torch
+
+    from modeling.target import target_path_problem
+    from modeling.target_picks import pick_for_target
+
+    problem = target_path_problem(args.target)
+    if problem:
+        print(f"error: --target: {problem}", file=sys.stderr)
+        return None
+    picks = pick_for_target(args.target, args.family, args.overrides, torch.cuda.is_available())
+    fields = {**picks.fields, "family": args.family}
+    fields.setdefault("target", {})["name_or_path"] = args.target
+    if args.prompts:
+        fields["data"] = {"sources": [{"name": args.prompts}]}
+    elif not overridden(args.overrides, "data.sources"):
+        picks.refusals.append("no training prompts: --prompts FILE (.jsonl/.json rows, or .txt: one a line), or "
+                              "--set \"data.sources=[{name: ...}]\"")
+    if picks.refusals:
+        print(f"error: cannot pick a recipe for --target {args.target}:\n  " + "\n  ".join(picks.refusals),
+              file=sys.stderr)
+        return None
+    slug = re.sub(r"[^a-z0-9._-]+", "-", Path(args.target.rstrip("/")).name.lower()).strip(".-") or "target"
+    recipe = compose_recipe([args.family, "own"], fields, args.overrides, f"{args.family}_{slug}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("\n".join(f"[pick] {line}" for line in picks.lines), flush=True)
+    return recipe
 
 
 def main(argv=None) -> int:
@@ -69,9 +111,11 @@ def main(argv=None) -> int:
         print("\n".join(list_recipes()))
         return 0
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, args.overrides) if args.recipe else own_recipe(args)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if recipe is None:
         return 2
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = [s for s in stages if s not in STAGES]
@@ -247,6 +291,10 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
             problems.append("regen.backend sglang: no CUDA device here, and SGLang serves on GPUs (its CPU engine "
                             "needs a CPU build of sgl_kernel that no wheel ships); on a CPU machine --set "
                             "regen.backend=vllm (a vLLM server per rank) or regen.backend=hf (in-process)")
+    template = recipe.target.chat_template
+    if template is not None and not Path(template).expanduser().is_file():
+        problems.append(f"target.chat_template: no file {template!r}: give a Jinja chat template file, or null for the "
+                        f"tokenizer's own")
     missing_target = target_path_problem(recipe.target.name_or_path)
     if missing_target:
         return problems + [f"target.name_or_path: {missing_target}"]  # nothing below can read its config
@@ -514,7 +562,8 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             model = load_target(recipe.target.name_or_path, dist.device, recipe.target.dtype)
         return model
 
-    run = RunState(recipe, out, dist, load_tokenizer(recipe.target.name_or_path), target)
+    tokenizer = load_tokenizer(recipe.target.name_or_path, recipe.target.chat_template)
+    run = RunState(recipe, out, dist, tokenizer, target)
     for row in (row for row in STAGE_TABLE if row.name in stages):
         start = time.perf_counter()
         why = row.skip(recipe)

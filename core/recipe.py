@@ -19,13 +19,15 @@ import difflib
 import math
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
 
 from core.redact import redact_url, redact_urls
+from core.schema import (FRACTION_BELOW_ONE, NON_NEGATIVE, POSITIVE, Bound, bound_problems, dataclass_keys,
+                         setting, type_name)
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 #: the drafter families a recipe trains; modeling/registry.py maps each to its model class. The block families are
@@ -37,51 +39,8 @@ FAMILIES = (*BLOCK_FAMILIES, "eagle3")
 
 # --- schema -------------------------------------------------------------------------------------------------------
 # Each key is declared once, with its type (the annotation), default, bound and one-line doc (`setting(...)`); the
-# validator (`_bound_problems`), `draftsmith recipes --keys` and the generated key table (recipes/KEYS.md) all read
+# validator (core/schema.bound_problems), `draftsmith recipes --keys` and the generated key table (recipes/KEYS.md) read
 # these. Longer reasons stay in the `#` comments beside a key.
-
-
-@dataclass(frozen=True)
-class Bound:
-    """A numeric key's valid range: `low`/`high` (None: open-ended), exclusive where `*_open`. `says` replaces the
-    generated "in [low, high)" wording; `then` follows the bad value in the message (the fix, or why)."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-    says: str = ""
-    then: str = ""
-
-    def holds(self, value) -> bool:
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        return self.high is None or (value < self.high if self.high_open else value <= self.high)
-
-    def text(self) -> str:
-        if self.says:
-            return self.says
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
-        return (f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
-                f"{')' if self.high_open else ']'}")
-
-
-def _number(value) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
-
-
-POSITIVE = Bound(low=0, low_open=True)
-NON_NEGATIVE = Bound(low=0)
-FRACTION_BELOW_ONE = Bound(low=0, high=1, high_open=True)  # [0, 1): a rate whose 1 would mean "never changes"
-
-
-def setting(default: Any = dataclasses.MISSING, doc: str = "", *, bound: Bound | None = None, factory=None):
-    """One recipe key: its default (or `factory` for a list or section), its bound and its one-line doc."""
-    metadata = {"doc": doc, "bound": bound}
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -93,6 +52,9 @@ class TargetConfig:
                                    factory=lambda: [1, 8, 14, 21, 27])
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = setting("auto", "auto = bfloat16 on GPU, float32 on "
                                                                        "CPU")
+    # a tokenizer with no template of its own is refused where a chat is rendered
+    chat_template: Optional[str] = setting(None, "a Jinja chat template file used instead of the tokenizer's own "
+                                           "(None: the tokenizer's)")
 
 
 @dataclass
@@ -335,35 +297,9 @@ class Recipe:
     name: str = setting("", "the run's name (runs/<name>); filled in by load_recipe from the file's name")
 
 
-def recipe_keys(cls=Recipe, prefix: str = "") -> list[dict]:
-    """Every leaf key, in declaration order: dotted name, type, default, bound and doc (what --keys and the generated
-    key table print). A list of sections (data.sources) is listed by its item's keys, as `data.sources[].name`."""
-    hints = typing.get_type_hints(cls)
-    rows = []
-    for spec in dataclasses.fields(cls):
-        tp, dotted = hints[spec.name], f"{prefix}{spec.name}"
-        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
-        if dataclasses.is_dataclass(tp):
-            rows += recipe_keys(tp, dotted + ".")
-        elif item is not None and dataclasses.is_dataclass(item):
-            rows += recipe_keys(item, dotted + "[].")
-        else:
-            default = spec.default_factory() if spec.default_factory is not dataclasses.MISSING else spec.default
-            bound = spec.metadata.get("bound")
-            rows.append({"key": dotted, "type": _type_text(tp), "default": default,
-                         "bound": bound.text() if bound else "", "doc": spec.metadata.get("doc", "")})
-    return rows
-
-
-def _type_text(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " / ".join(map(str, typing.get_args(tp)))
-    if origin in (typing.Union, types.UnionType):
-        return " / ".join(_type_text(a) for a in typing.get_args(tp) if a is not type(None)) + " / null"
-    if origin is list:
-        return f"list[{_type_text(typing.get_args(tp)[0])}]"
-    return _type_name(tp)
+def recipe_keys() -> list[dict]:
+    """Every recipe key, in declaration order: dotted name, type, default, bound and doc (core/schema.py)."""
+    return dataclass_keys(Recipe)
 
 
 # --- loading ------------------------------------------------------------------------------------------------------
@@ -390,14 +326,32 @@ def load_recipe(name_or_path: str, overrides: list[str] = ()) -> Recipe:
         close = difflib.get_close_matches(str(name_or_path), list_recipes(), n=1)
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise RecipeError(f"no recipe '{name_or_path}'.{hint} `python train/main.py --list-recipes` lists them.")
-    raw = _read_with_bases(path, seen=())
+    return _finish(_read_with_bases(path, seen=()), overrides, path.stem)
+
+
+def compose_recipe(bases: list[str], fields: dict, overrides: list[str], name: str) -> Recipe:
+    """A recipe with no file of its own (train/main.py --target): `bases` (recipes/base/) merged in order, then
+    `fields` (keys derived from the target), then the --set `overrides`, which win over both."""
+    raw: dict = {}
+    for base in bases:
+        _deep_merge(raw, _read_with_bases(RECIPES_DIR / "base" / f"{base}.yaml", seen=()))
+    _deep_merge(raw, fields)
+    return _finish(raw, overrides, name)
+
+
+def overridden(overrides: list[str], key: str) -> bool:
+    """Whether a --set in `overrides` sets dotted `key` (or a section holding it)."""
+    return any(key == k or key.startswith(k + ".") for k in (item.split("=", 1)[0].strip() for item in overrides))
+
+
+def _finish(raw: dict, overrides: list[str], name: str) -> Recipe:
     for item in overrides:
         _apply_override(raw, item)
-    raw.setdefault("name", path.stem)
+    raw.setdefault("name", name)
     errors: list[str] = []
     recipe = _build(Recipe, raw, "", errors)
     if errors:
-        raise RecipeError(f"recipe '{path.stem}' is invalid:\n  " + "\n  ".join(errors))
+        raise RecipeError(f"recipe '{name}' is invalid:\n  " + "\n  ".join(errors))
     _check_values(recipe)
     return recipe
 
@@ -500,7 +454,7 @@ def _convert(tp, value: Any, dotted: str, errors: list[str]):
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            errors.append(f"{dotted}: expected a list of {_type_name(item_tp)}, got {type(value).__name__} "
+            errors.append(f"{dotted}: expected a list of {type_name(item_tp)}, got {type(value).__name__} "
                           f"{redact_urls(repr(value))}")  # a URL's password stays out of the message
             return value
         return [_convert(item_tp, v, f"{dotted}[{i}]", errors) for i, v in enumerate(value)]
@@ -515,13 +469,9 @@ def _convert(tp, value: Any, dotted: str, errors: list[str]):
     if tp in (int, str, bool, float):
         # bool is an int subclass in Python: reject it where a number is expected.
         if not isinstance(value, tp) or (tp is not bool and isinstance(value, bool)):
-            errors.append(f"{dotted}: expected {_type_name(tp)}, got {type(value).__name__} {redact_urls(repr(value))}")
+            errors.append(f"{dotted}: expected {type_name(tp)}, got {type(value).__name__} {redact_urls(repr(value))}")
         return value
     raise TypeError(f"schema type {tp} of {dotted} is not supported")  # a bug in this file, not in the recipe
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp))
 
 
 def _non_finite(obj, prefix: str = "") -> list[str]:
@@ -538,7 +488,7 @@ def _non_finite(obj, prefix: str = "") -> list[str]:
 def _check_values(recipe: Recipe) -> None:
     """Range and cross-field checks, named by dotted key; each message says what a valid value is."""
     problems = [f"{k} must be a finite number, got {_get(recipe, k)}" for k in _non_finite(recipe)]
-    problems += _bound_problems(recipe)
+    problems += bound_problems(recipe)
     if not recipe.data.sources:
         problems.append("data.sources must name at least one prompt source")
     elif not math.isfinite(sum(s.weight for s in recipe.data.sources)):
@@ -566,24 +516,6 @@ def _check_values(recipe: Recipe) -> None:
                         f"folder runs/<name> and must stay inside runs/; use --out to write elsewhere")
     if problems:
         raise RecipeError(f"recipe '{recipe.name}' is invalid:\n  " + "\n  ".join(problems))
-
-
-def _bound_problems(obj, prefix: str = "") -> list[str]:
-    """Each key outside the bound declared beside it, named by dotted key (an item of a list of sections as
-    `data.sources[].weight`, with its index; a list of numbers once, whole)."""
-    problems = []
-    for spec in dataclasses.fields(obj):
-        value, dotted, bound = getattr(obj, spec.name), f"{prefix}{spec.name}", spec.metadata.get("bound")
-        if dataclasses.is_dataclass(value):
-            problems += _bound_problems(value, dotted + ".")
-        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
-            for i, item in enumerate(value):
-                problems += [f"{p} ({dotted}[{i}])" for p in _bound_problems(item, dotted + "[].")]
-        elif bound is not None and value is not None:
-            numbers = value if isinstance(value, list) else [value]
-            if not all(bound.holds(v) for v in numbers if isinstance(v, (int, float)) and math.isfinite(v)):
-                problems.append(f"{dotted} must be {bound.text()}, got {value}{bound.then}")
-    return problems
 
 
 def _selector_problems(recipe: Recipe) -> list[str]:

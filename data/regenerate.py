@@ -41,6 +41,7 @@ from core import stage
 from core.io import atomic_open, atomic_write_json
 from core.dist import Dist, fault_point
 from core.recipe import Recipe
+from modeling.target import chat_template_pin
 
 
 # --- the stage ----------------------------------------------------------------------------------------------------
@@ -66,7 +67,7 @@ def regen_settings(recipe, prompts_sha256: str | None) -> dict:
                  "server_args", "server_startup_s")
     return {"target": recipe.target.name_or_path, "seed": recipe.seed, "data": data,
             "regen": {k: v for k, v in asdict(recipe.regen).items() if k not in transport},
-            PROMPTS_KEY: prompts_sha256}
+            PROMPTS_KEY: prompts_sha256, **chat_template_pin(recipe.target.chat_template)}
 
 
 def prompts_digest(prompts: list[Prompt]) -> str:

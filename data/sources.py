@@ -78,6 +78,7 @@ _MTBENCH_FILE = "mt_bench/question.jsonl"
 _GSM8K_HUB_ID = "openai/gsm8k"
 
 _JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+_TEXT_SUFFIXES = (".txt", ".txt.gz")  # one single-turn prompt a line
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -104,13 +105,13 @@ def _canonical(name: str) -> str:
 _ALIASES = {_canonical(n): n for n in BUILTIN_SOURCES} | {"openai/gsm8k": "gsm8k"}
 
 
-def _is_json_path(name: str) -> bool:
-    return name.lower().endswith(_JSON_SUFFIXES)
+def _is_prompt_file(name: str) -> bool:
+    return name.lower().endswith(_JSON_SUFFIXES + _TEXT_SUFFIXES)
 
 
 def _file_source_name(path: str) -> str:
     base = Path(path).name
-    for suffix in (".gz", ".jsonl", ".json"):
+    for suffix in (".gz", ".jsonl", ".json", ".txt"):
         if base.lower().endswith(suffix):
             base = base[: -len(suffix)]
     return base or "json"
@@ -119,7 +120,8 @@ def _file_source_name(path: str) -> str:
 def _valid_names_text() -> str:
     return (
         f"valid sources: {', '.join(BUILTIN_SOURCES)}; 'json' with a `path`; a local "
-        ".json/.jsonl file (optionally .gz); or a Hugging Face dataset id 'owner/name'"
+        ".json/.jsonl file (optionally .gz), or a .txt file of one prompt a line; or a Hugging Face dataset id "
+        "'owner/name'"
     )
 
 
@@ -136,7 +138,7 @@ def resolve_source(name: str, path: str | None) -> SourceSpec:
         if not path:
             raise ValueError("source 'json' needs a `path` to a .json/.jsonl file")
         return SourceSpec("file", _file_source_name(path), path)
-    if _is_json_path(name):
+    if _is_prompt_file(name):
         return SourceSpec("file", _file_source_name(name), name)
     if os.path.isdir(name):
         return SourceSpec("hub", Path(name).name, name)
@@ -213,6 +215,10 @@ def humaneval_names(path: str | None = None) -> frozenset[str]:
 
 def _read_mtbench(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]:
     path = Path(spec.path) if spec.path else package_file(_MTBENCH_DIST, _MTBENCH_FILE)
+    if path.name.lower().endswith(_TEXT_SUFFIXES):
+        with decode_errors_named(path), open_text(path) as f:
+            rows = [{"turns": [line.strip()]} for line in f if line.strip()]
+        return rows_to_prompts(rows, spec.source, str(path), limit)
     return rows_to_prompts(read_json_rows(path), spec.source, str(path), limit)
 
 
@@ -271,6 +277,10 @@ def _read_file(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]:
     path = Path(spec.path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file not found: {path}")
+    if path.name.lower().endswith(_TEXT_SUFFIXES):
+        with decode_errors_named(path), open_text(path) as f:
+            rows = [{"turns": [line.strip()]} for line in f if line.strip()]
+        return rows_to_prompts(rows, spec.source, str(path), limit)
     return rows_to_prompts(read_json_rows(path), spec.source, str(path), limit)
 
 

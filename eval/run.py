@@ -44,7 +44,7 @@ from eval.spec_decode import (DraftLMDrafter, GenerationResult, is_greedy, load_
                               target_generate)
 from export.serving import SPS_FILENAME, STS_FILENAME, SpsTable, load_sts, save_sts
 from modeling.registry import draft_digest
-from modeling.target import TargetRunner, load_target, load_tokenizer
+from modeling.target import TargetRunner, chat_template_pin, load_target, load_tokenizer
 
 
 def acceptance_metrics(rounds, gamma: int) -> dict:
@@ -163,6 +163,8 @@ class EvalSettings:
     sts_path: str | None = None
     lookup_first: int = 0
     holdout_fraction: float = DEFAULT_HOLDOUT_FRACTION
+    #: a Jinja chat template file instead of the tokenizer's own (the recipe's target.chat_template)
+    chat_template: str | None = None
 
 
 def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = None) -> dict:
@@ -183,7 +185,7 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
     make_dir(out_dir)
     if target is None:
         target = load_target(s.target_name, s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tokenizer = load_tokenizer(s.target_name)
+    tokenizer = load_tokenizer(s.target_name, s.chat_template)
     drafter = make_drafter(s.draft, target, s.block_size or 7, s.any_target, s.full_vocab)
     if s.lookup_first:
         drafter = LookupFirstDrafter(drafter, min_n=s.lookup_first)
@@ -309,7 +311,7 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
     key or a retrained draft runs the stage again instead of silently reusing the old report (and sts.json)."""
     settings = {"eval": vars(recipe.eval), "seed": recipe.seed, "target": recipe.target.name_or_path,
                 "system_prompt": recipe.data.system_prompt, "enable_thinking": recipe.regen.enable_thinking,
-                "draft_sha256": draft_digest(draft_dir)}
+                "draft_sha256": draft_digest(draft_dir), **chat_template_pin(recipe.target.chat_template)}
     if stage.start(eval_dir, settings, "eval", on_change="rerun") is not None:
         stage.verify_outputs(eval_dir)  # a report rewritten since (another eval's) is refused, not printed as ours
         return read_json(Path(eval_dir) / "report.json")
@@ -319,7 +321,8 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
         max_new_tokens=recipe.eval.max_new_tokens, seed=recipe.seed, system_prompt=recipe.data.system_prompt,
         enable_thinking=recipe.regen.enable_thinking, ngram_baseline=recipe.eval.ngram_baseline,
         # training's split; at 0 nothing is held out and check_inputs refused a training source as the eval set
-        holdout_fraction=recipe.data.holdout_fraction or DEFAULT_HOLDOUT_FRACTION), target=target)
+        holdout_fraction=recipe.data.holdout_fraction or DEFAULT_HOLDOUT_FRACTION,
+        chat_template=recipe.target.chat_template), target=target)
     # written last, after report.md and the plot: a crash before it reruns the stage
     # recorded: export ships sts.json and sps_table.json, and the skipped stage prints report.json's tau
     outputs = [name for name in ("report.json", STS_FILENAME, SPS_FILENAME) if (Path(eval_dir) / name).is_file()]

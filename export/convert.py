@@ -42,7 +42,7 @@ from core.io import LinkedPathError, link_problem, publish_dir, sha256_file
 from core.server import ENGINES, SERVING_ALGORITHMS
 from export.serving import (SERVING_DTYPES, SPS_FILENAME, STS_FILENAME, SpsTable, check_sps_range, check_sts_length,
                             covers_sglang_batches, detect_algorithm, load_sts, run_folder, run_recipe, serve_command,
-                            serve_notes, serves_as_dflash, unserved_target)
+                            serve_notes, serves_as_dflash, trained_chat_template, unserved_target)
 from modeling.dspark import block_length
 from modeling.registry import (CONFIG_NAME, WEIGHTS_NAME, detect, draft_digest, meta_model, read_config,
                                read_draft_weights)
@@ -558,7 +558,8 @@ def run_export_stage(job: ExportJob) -> dict:
     settings = {"draft_sha256": draft_digest(draft_dir), "target": job.verifier,
                 "target_dtype": target_config_dtype(target),
                 "sts_sha256": sha256_file(sts_path) if sts_path is not None else None,
-                "sps_sha256": sha256_file(sps_path) if sps_path is not None else None}
+                "sps_sha256": sha256_file(sps_path) if sps_path is not None else None,
+                **({"chat_template": template} if (template := trained_chat_template(draft_dir)) else {})}
     done = stage.start(export_dir, settings, "export", on_change="rerun")
     if done is None:
         path = export_draft(replace(job, sps_path=shippable_sps(sps_path, read_config(draft_dir)), verifier=target,

@@ -264,6 +264,10 @@ def switches_thinking(target: str) -> bool:
         template = load_tokenizer(target).chat_template
     except Exception:  # noqa: BLE001 -- a hub id not cached offline, a folder without a tokenizer: no note, no flag
         return False
+    return template_switches_thinking(template)
+
+
+def template_switches_thinking(template: str | None) -> bool:
     return "enable_thinking" in str(template or "")
 
 
@@ -273,9 +277,21 @@ def trained_chat_template_kwargs(checkpoint_dir, target: str | None) -> dict | N
     default, since a request in the other mode gets answers the draft never learned (a lower accept length). None when
     the template has no switch or the draft belongs to no run."""
     recipe = run_recipe(checkpoint_dir)
-    if recipe is None or not switches_thinking(target or recipe.target.name_or_path):
+    if recipe is None:
+        return None
+    template = recipe.target.chat_template
+    if not (template_switches_thinking(Path(template).expanduser().read_text()) if template else
+            switches_thinking(target or recipe.target.name_or_path)):
         return None
     return {"enable_thinking": recipe.regen.enable_thinking}
+
+
+def trained_chat_template(checkpoint_dir) -> str | None:
+    """The chat template file the draft's run rendered its conversations with instead of the tokenizer's own (its
+    recipe's target.chat_template), absolute: the engine must render requests with it too (`--chat-template`)."""
+    recipe = run_recipe(checkpoint_dir)
+    template = recipe.target.chat_template if recipe is not None else None
+    return str(Path(template).expanduser().resolve()) if template else None
 
 
 def _serve_argv(checkpoint_dir, to: str, out_dir, target: str | None, algorithm: str | None
@@ -289,6 +305,8 @@ def _serve_argv(checkpoint_dir, to: str, out_dir, target: str | None, algorithm:
     declared = declared_dtype(read_config(out_dir))
     chat = trained_chat_template_kwargs(checkpoint_dir, target)
     extra = (CHAT_TEMPLATE_DEFAULTS_FLAG, json.dumps(chat)) if chat else ()
+    template = trained_chat_template(checkpoint_dir)
+    extra += ("--chat-template", template) if template else ()  # both engines take a template file
     target = str(Path(target).resolve()) if target and Path(target).exists() else target or "<target model path or id>"
     if to == "vllm":
         return {}, vllm_command("python", target, ServedDraft(out_dir, algorithm, gamma), 8000,

@@ -99,13 +99,24 @@ def load_target(name_or_path: str, device: torch.device | str = "cpu", dtype: st
     return model
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, chat_template: str | None = None):
+    """The target's tokenizer; `chat_template` (recipe target.chat_template): a Jinja file that replaces its own."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(name_or_path))
+    if chat_template is not None:
+        tokenizer.chat_template = Path(chat_template).expanduser().read_text()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def chat_template_pin(chat_template: str | None) -> dict:
+    """What a stage that renders chats pins of the recipe's target.chat_template: the file's digest (nothing when the
+    tokenizer's own is used, so that folders made before the key keep their pins)."""
+    if chat_template is None:
+        return {}
+    return {"chat_template_sha256": hashlib.sha256(Path(chat_template).expanduser().read_bytes()).hexdigest()}
 
 
 def target_hidden_size(name_or_path: str) -> int:

@@ -8,7 +8,8 @@ import typing
 
 import pytest
 
-from core.recipe import Bound, Recipe, RecipeError, load_recipe, recipe_keys
+from core.recipe import Recipe, RecipeError, load_recipe, recipe_keys
+from core.schema import Bound
 
 BOUNDED = [row for row in recipe_keys() if row["bound"]]
 

@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages regenerate,cache --set data.num_prompts=64
     python train/main.py --list-recipes
+    python train/main.py --target PATH_OR_ID --prompts FILE --family dspark   # your own target, no recipe
 
 A script, not a module: the driver is pipeline.py.
 """
