@@ -245,6 +245,12 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
             problems.append("regen.backend sglang: no CUDA device here, and SGLang serves on GPUs (its CPU engine "
                             "needs a CPU build of sgl_kernel that no wheel ships); on a CPU machine --set "
                             "regen.backend=vllm (a vLLM server per rank) or regen.backend=hf (in-process)")
+    if "cache" in stages and recipe.cache.backend == "engine" and not recipe.cache.server_urls \
+            and not stage.is_done(out / "cache"):
+        problem = engine_python_problem("vllm", recipe.regen.engine_python,
+                                        "regen.engine_python (or $DRAFTSMITH_VLLM_PYTHON) to a python with vllm")
+        if problem:
+            problems.append(f"cache.backend engine (a vLLM server the cache stage starts): {problem}")
     missing_target = target_path_problem(recipe.target.name_or_path)
     if missing_target:
         return problems + [f"target.name_or_path: {missing_target}"]  # nothing below can read its config
@@ -352,7 +358,7 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
     from eval.run import print_summary, run_eval_stage
     from export.convert import run_export_stage
     from export.serving import SPS_FILENAME, STS_FILENAME
-    from modeling.target import load_target, load_tokenizer
+    from modeling.target import load_target, load_target_parts, load_tokenizer
     from train.opd import run_opd
     from train.trainer import TrainJob, run_train
 
@@ -361,8 +367,20 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
 
     def target():
         nonlocal model
-        if model is None:
+        if model is None or getattr(model, "draftsmith_fingerprint", None):  # the whole target, over its parts
             model = load_target(recipe.target.name_or_path, dist.device, recipe.target.dtype)
+        return model
+
+    def target_parts():
+        """cache.backend engine: the engine computes the states, so the cache and train stages hold only what the
+        drafter reads of the target (embedding, final norm, lm_head, and the layers draft.init_layers copies)."""
+        nonlocal model
+        if recipe.cache.backend != "engine":
+            return target()
+        if model is None:
+            copied = recipe.draft.num_layers if recipe.draft.init_layers == "target" else 0
+            model = load_target_parts(recipe.target.name_or_path, dist.device, recipe.target.dtype,
+                                      last_layers=copied)
         return model
 
     eval_report = None
@@ -374,9 +392,10 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
             if recipe.train.hidden_states == "online":
                 dist.print("[cache] skipped: train.hidden_states is online (the train stage runs the target itself)")
                 continue
-            run_cache(recipe, out / "regen", out / "cache", dist, target, tokenizer)
+            run_cache(recipe, out / "regen", out / "cache", dist, target_parts, tokenizer)
         elif name == "train":
-            run_train(TrainJob(recipe, training_records(recipe, out, tokenizer, target), out / "train", dist, target))
+            run_train(TrainJob(recipe, training_records(recipe, out, tokenizer, target_parts), out / "train", dist,
+                               target_parts))
         elif name == "opd":
             if recipe.opd.rounds == 0:
                 dist.print("[opd] skipped: opd.rounds is 0 (on-policy distillation is opt-in)")

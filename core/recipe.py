@@ -124,6 +124,17 @@ class CacheConfig:
     encoding: Literal["raw", "fp8"] = "fp8"
     #: conversations per target forward.
     batch_size: int = 8
+    #: where the hidden states come from: hf = the target in-process (each rank loads it whole); engine = a vLLM server
+    #: (extract_hidden_states; data/engine_states.py): the stage's own, one per rank, or cache.server_urls' (a target
+    #: too large for one device, served with tensor or expert parallelism elsewhere), and the training processes then
+    #: load only the target's embedding, final norm and lm_head (modeling/target.load_target_parts).
+    backend: Literal["hf", "engine"] = "hf"
+    #: engine backend: running vLLM servers started with data/engine_states.engine_server_args' flags (several = data
+    #: parallel over them); none = each rank starts its own (regen.engine_python, regen.server_args, regen.*_s).
+    server_urls: list[str] = field(default_factory=list)
+    #: engine backend: the folder the servers write the states to (their connector's shared_storage_path) as this
+    #: machine sees it; required with cache.server_urls, a scratch folder otherwise.
+    states_dir: Optional[str] = None
     #: conversations per shard file; a shard is the unit of resume and of work split across ranks.
     records_per_shard: int = 1024
 
@@ -333,6 +344,7 @@ def shareable_recipe_dict(recipe: Recipe) -> dict:
     recipe.yaml and to the experiment trackers (a token in http://user:token@host must not travel with them)."""
     shared = recipe_to_dict(recipe)
     shared["regen"]["server_urls"] = [redact_url(url) for url in recipe.regen.server_urls]
+    shared["cache"]["server_urls"] = [redact_url(url) for url in recipe.cache.server_urls]
     return shared
 
 
@@ -539,6 +551,7 @@ def _check_values(recipe: Recipe) -> None:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
     problems += [f"regen.server_urls[{i}]: {redact_url(url)!r} is not an http(s) URL; write it as http://host:port"
                  for i, url in enumerate(recipe.regen.server_urls) if not url.startswith(("http://", "https://"))]
+    problems += _cache_backend_problems(recipe)
     non_negative = {"draft.markov_rank": recipe.draft.markov_rank,
                     "train.keep_checkpoints": recipe.train.keep_checkpoints}
     problems += [f"{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
@@ -554,6 +567,25 @@ def _check_values(recipe: Recipe) -> None:
                         f"ZeRO-3 is not supported (the loss reads the lm_head outside the forward); use 2")
     if problems:
         raise RecipeError(f"recipe '{recipe.name}' is invalid:\n  " + "\n  ".join(problems))
+
+
+def _cache_backend_problems(recipe: Recipe) -> list[str]:
+    cache = recipe.cache
+    problems = [f"cache.server_urls[{i}]: {redact_url(url)!r} is not an http(s) URL; write it as http://host:port"
+                for i, url in enumerate(cache.server_urls) if not url.startswith(("http://", "https://"))]
+    if cache.backend != "engine":
+        if cache.server_urls or cache.states_dir:
+            problems.append(f"cache.server_urls / cache.states_dir are read only under cache.backend: engine (this "
+                            f"recipe has cache.backend: {cache.backend}): set --set cache.backend=engine, or drop them")
+        return problems
+    if cache.server_urls and not cache.states_dir:
+        problems.append("cache.backend engine with cache.server_urls needs cache.states_dir: the folder those servers' "
+                        "connector writes the states to (their shared_storage_path), as this machine sees it")
+    if recipe.train.hidden_states == "online":
+        problems.append("cache.backend engine fills the cache stage's cache, and train.hidden_states online writes no "
+                        "cache (it runs the target in the training processes): set train.hidden_states=cache, or "
+                        "cache.backend=hf")
+    return problems
 
 
 def _get(recipe: Recipe, dotted: str):
