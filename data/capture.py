@@ -207,7 +207,8 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
     todo_tokens = sum(len(r["input_ids"]) for s in todo for r in rows[s * per_shard: (s + 1) * per_shard])
     dtype = getattr(torch, recipe.cache.dtype)
     start = time.perf_counter()
-    with _capturer(recipe, model, dist, out_dir, needed=bool(todo)) as (capture, per_round):
+    engine_info: dict = {}
+    with _capturer(recipe, model, dist, out_dir, bool(todo), engine_info) as (capture, per_round):
         bar = tqdm(total=todo_tokens, desc=f"cache[rank {dist.rank}]", unit="tok", unit_scale=True,
                    position=dist.rank, disable=not todo)
         for s in todo:
@@ -219,12 +220,15 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
     dist.wait()  # ranks finish their shards at different times: the long timeout, then the per-step collectives
     elapsed = dist.max(elapsed)
     done_tokens, = dist.sum(todo_tokens)
+    startup = dist.max(engine_info.get("server_startup_s", 0.0))
     dist.barrier()
     if dist.is_main:
         manifest = writer.finalize()
         stats = {"records": manifest["num_records"], "tokens": manifest["num_tokens"], "bytes_per_token": per_token,
                  "total_bytes": sum(s["num_bytes"] for s in manifest["shards"]), "dropped": dropped,
                  **stage.throughput(done_tokens, elapsed)}
+        if recipe.cache.backend == "engine":  # the seconds above include it, as the in-process ones its forwards'
+            stats["server_startup_s"] = startup
         stage.mark_done(out_dir, stats)
         print(f"[cache] {stats['records']} records, {stats['tokens']} tokens, {per_token} B/token, "
               f"{format_bytes(stats['total_bytes'])} on disk; {stage.throughput_line(stats)}", flush=True)
@@ -233,10 +237,11 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
 
 
 @contextlib.contextmanager
-def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool):
+def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool, info: dict):
     """(capture(rows, dtype) -> [(hidden, last)], rows per call): the in-process target's forward (cache.batch_size
     rows, padded), or a vLLM engine's (cache.backend engine; as many rows in flight as regen.max_concurrency allows,
-    the engine batches them itself). The engine's server, when the stage starts one, is stopped whatever happens."""
+    the engine batches them itself; `info` gets its server's start-up seconds). The engine's server, when the stage
+    starts one, is stopped whatever happens."""
     if recipe.cache.backend != "engine":
         yield (lambda rows, dtype: capture_rows(model, rows, recipe.target.layer_ids, dtype)), recipe.cache.batch_size
         return
@@ -244,6 +249,8 @@ def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool):
         yield None, 1
         return
     engine = EngineStates(recipe, dist, out_dir, backbone(model).norm, len(decoder_layers(model)))
+    if engine.server is not None:
+        info["server_startup_s"] = round(engine.server.startup_s, 2)
     try:
         dist.print(f"[cache] hidden states from the vLLM engine at {', '.join(engine.urls)} (cache.backend engine; "
                    f"its layers {engine.aux_ids})")

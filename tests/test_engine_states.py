@@ -215,3 +215,67 @@ def test_engine_states_equal_the_in_process_targets_per_layer_and_the_stage_stop
     # and a bf16 cache (the default dtype) rounds both to the same values but for a rounding-boundary few
     ref, got = a[0]["hidden_states"].to(torch.bfloat16), b[0]["hidden_states"].to(torch.bfloat16)
     assert (ref != got).float().mean().item() < 0.01
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_stage_stops_it_unfinished_and_a_rerun_on_a_new_server_resumes(
+        vllm_python, answered_prompts, regen_dir, tmp_path, drill):
+    """kill -9 of the vLLM server (cache.server_urls: one started outside the stage) once the first shard is
+    published: the stage fails naming the server, keeps that shard, marks nothing done; rerun against a new server, it
+    writes only the missing shards and the finished cache equals an in-process one within fp32 rounding."""
+    import os
+    import signal
+
+    from core.server import LiveServer, free_port, vllm_server_command
+    from modeling.target import resolve_target
+
+    drill("kill", "kill -9 of the cache stage's vLLM server mid-stage")
+    tokenizer = load_tokenizer(SMOLLM2)
+    aux, _, _ = engine_layer_ids([1, 8, 14, 21, 27], 30)
+    states = tmp_path / "states"
+
+    def server(name):
+        port = free_port()
+        argv = vllm_server_command(vllm_python, resolve_target(SMOLLM2), port, max_model_len=257,
+                                   extra=["--enforce-eager", *engine_server_args(aux, str(states))])
+        from data.engine_states import REPO_ROOT
+        return LiveServer(argv, port=port, log_path=tmp_path / f"{name}.log", startup_timeout=600,
+                          env={"PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
+                               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+
+    def recipe(url):
+        return engine_recipe(answered_prompts, "cache.backend=engine", f'cache.server_urls=["{url}"]',
+                             f"cache.states_dir={states}", "regen.request_attempts=2", "regen.max_concurrency=1")
+
+    out = tmp_path / "cache"
+    first = server("first")
+    with first:
+        killed = threading.Event()
+
+        def kill_after_first_shard():
+            while not (out / "shard-00000.idx.json").is_file() and not killed.is_set():
+                threading.Event().wait(0.05)
+            os.kill(first.proc.pid, signal.SIGKILL)
+            killed.set()
+
+        watcher = threading.Thread(target=kill_after_first_shard, daemon=True)
+        watcher.start()
+        try:
+            with pytest.raises(EngineStatesError, match=first.url):
+                run_cache(recipe(first.url), regen_dir, out, Dist(), parts, tokenizer)
+        finally:
+            killed.set()
+            watcher.join()
+    assert not stage.is_done(out) and (out / "shard-00000.idx.json").is_file()
+    kept = (out / "shard-00000.bin").stat().st_mtime_ns
+    with server("second") as second:
+        done = run_cache(recipe(second.url), regen_dir, out, Dist(), parts, tokenizer)
+    assert done["records"] == len(ANSWERS) and (out / "shard-00000.bin").stat().st_mtime_ns == kept
+    hf = run_cache(engine_recipe(answered_prompts), regen_dir, tmp_path / "hf", Dist(), lambda: load_target(SMOLLM2),
+                   tokenizer)
+    a, b = TargetCache(str(tmp_path / "hf"), verify=True), TargetCache(str(out), verify=True)
+    assert hf["tokens"] == done["tokens"]
+    for i in range(len(a)):
+        for key in ("hidden_states", "last_hidden_state"):
+            ref, got = a[i][key], b[i][key]
+            assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5, (i, key)
