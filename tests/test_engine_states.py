@@ -173,7 +173,7 @@ def test_a_failing_hung_or_plain_server_stops_the_stage_unfinished_and_nothing_i
 
 @pytest.mark.slow
 def test_engine_states_equal_the_in_process_targets_per_layer_and_the_stage_stops_its_server(
-        vllm_python, answered_prompts, regen_dir, tmp_path, monkeypatch):
+        vllm_python, answered_prompts, regen_dir, tmp_path, monkeypatch, record_property):
     """The cache stage under cache.backend engine starts vLLM (extract_hidden_states, SmolLM2, fp32) and writes the
     cache the in-process stage writes: every record's ids and mask equal, each of the recipe's layers and the
     final-norm state within fp32 rounding of the in-process target's (measured: <= 4e-7 of the state's largest
@@ -211,6 +211,8 @@ def test_engine_states_equal_the_in_process_targets_per_layer_and_the_stage_stop
             error = ((got - ref).abs().max() / ref.abs().max()).item()
             worst[name] = max(worst.get(name, 0.0), error)
     assert set(worst) == {*(f"layer {lid}" for lid in recipe.target.layer_ids), "final norm"}
+    record_property("figure", "engine vs in-process states, largest |difference| / largest |state| per layer: "
+                    + ", ".join(f"{name} {error:.1e}" for name, error in worst.items()))
     assert max(worst.values()) < 1e-5, worst  # fp32: last-bit differences of other kernels, nothing more
     # and a bf16 cache (the default dtype) rounds both to the same values but for a rounding-boundary few
     ref, got = a[0]["hidden_states"].to(torch.bfloat16), b[0]["hidden_states"].to(torch.bfloat16)
