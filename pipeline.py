@@ -146,7 +146,7 @@ def stage_pins(out: Path) -> list[bytes | None]:
             for name in stage.STAGE_DIRS for path in (out / name / stage.SETTINGS_NAME, out / name / stage.DONE_NAME)]
 
 
-def training_records(recipe, out: Path, tokenizer, target):
+def training_records(recipe, out: Path, tokenizer, target, dist=None):
     """What train and opd read: the cache stage's cache, or the regenerated records with the target computing the
     hidden states per step (train.hidden_states online)."""
     from data.capture import open_cache
@@ -154,7 +154,7 @@ def training_records(recipe, out: Path, tokenizer, target):
     from modeling.target import target_hidden_size
 
     if recipe.train.hidden_states == "online":
-        return OnlineRecords(recipe, out / "regen", tokenizer, target)
+        return OnlineRecords(recipe, out / "regen", tokenizer, target, dist, out / "train")
     return open_cache(recipe, out / "cache", target_hidden_size(recipe.target.name_or_path), tokenizer)
 
 
@@ -394,14 +394,22 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
                 continue
             run_cache(recipe, out / "regen", out / "cache", dist, target_parts, tokenizer)
         elif name == "train":
-            run_train(TrainJob(recipe, training_records(recipe, out, tokenizer, target_parts), out / "train", dist,
-                               target_parts))
+            records = training_records(recipe, out, tokenizer, target_parts, dist)
+            try:
+                run_train(TrainJob(recipe, records, out / "train", dist, target_parts))
+            finally:
+                if hasattr(records, "close"):  # online hidden states from an engine: its server stopped
+                    records.close()
         elif name == "opd":
             if recipe.opd.rounds == 0:
                 dist.print("[opd] skipped: opd.rounds is 0 (on-policy distillation is opt-in)")
                 continue
-            run_opd(recipe, training_records(recipe, out, tokenizer, target), out / "train" / "final", out / "opd",
-                    dist, target, tokenizer.eos_token_id)
+            records = training_records(recipe, out, tokenizer, target, dist)
+            try:
+                run_opd(recipe, records, out / "train" / "final", out / "opd", dist, target, tokenizer.eos_token_id)
+            finally:
+                if hasattr(records, "close"):
+                    records.close()
         elif name == "eval":
             if dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
                 with dist.every_core():  # the other ranks wait meanwhile

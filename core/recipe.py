@@ -127,7 +127,8 @@ class CacheConfig:
     #: where the hidden states come from: hf = the target in-process (each rank loads it whole); engine = a vLLM server
     #: (extract_hidden_states; data/engine_states.py): the stage's own, one per rank, or cache.server_urls' (a target
     #: too large for one device, served with tensor or expert parallelism elsewhere), and the training processes then
-    #: load only the target's embedding, final norm and lm_head (modeling/target.load_target_parts).
+    #: load only the target's embedding, final norm and lm_head (modeling/target.load_target_parts). With
+    #: train.hidden_states online the train stage asks the engine for each micro-batch's states instead.
     backend: Literal["hf", "engine"] = "hf"
     #: engine backend: running vLLM servers started with data/engine_states.engine_server_args' flags (several = data
     #: parallel over them); none = each rank starts its own (regen.engine_python, regen.server_args, regen.*_s).
@@ -581,10 +582,6 @@ def _cache_backend_problems(recipe: Recipe) -> list[str]:
     if cache.server_urls and not cache.states_dir:
         problems.append("cache.backend engine with cache.server_urls needs cache.states_dir: the folder those servers' "
                         "connector writes the states to (their shared_storage_path), as this machine sees it")
-    if recipe.train.hidden_states == "online":
-        problems.append("cache.backend engine fills the cache stage's cache, and train.hidden_states online writes no "
-                        "cache (it runs the target in the training processes): set train.hidden_states=cache, or "
-                        "cache.backend=hf")
     return problems
 
 

@@ -44,11 +44,14 @@ def answered_prompts(tmp_path_factory):
     return path
 
 
+def engine_sets(prompts) -> list[str]:
+    return [f"data.sources=[{{name: '{prompts}'}}]", f"data.num_prompts={len(ANSWERS)}", "data.max_length=256",
+            "data.holdout_fraction=0", "regen.backend=source", "loss.ce_labels=target", "cache.records_per_shard=2",
+            "cache.encoding=raw", "cache.dtype=float32"]
+
+
 def engine_recipe(prompts, *sets):
-    return load_recipe("dspark_smollm2_135m", [
-        f"data.sources=[{{name: '{prompts}'}}]", f"data.num_prompts={len(ANSWERS)}", "data.max_length=256",
-        "data.holdout_fraction=0", "regen.backend=source", "loss.ce_labels=target", "cache.records_per_shard=2",
-        "cache.encoding=raw", "cache.dtype=float32", *sets])
+    return load_recipe("dspark_smollm2_135m", [*engine_sets(prompts), *sets])
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +95,6 @@ def test_recipe_refuses_engine_settings_that_cannot_work(drill):
     with pytest.raises(RecipeError, match="not an http"):
         load_recipe("dspark_smollm2_135m", ["cache.backend=engine", 'cache.server_urls=["h:8000"]',
                                             "cache.states_dir=/s"])
-    with pytest.raises(RecipeError, match="train.hidden_states online writes no cache"):
-        load_recipe("dspark_smollm2_135m", ["cache.backend=engine", "train.hidden_states=online"])
     recipe = load_recipe("dspark_smollm2_135m", ["cache.backend=engine"])
     assert recipe.cache.backend == "engine" and recipe.cache.server_urls == []
 
@@ -281,3 +282,35 @@ def test_a_server_killed_mid_stage_stops_it_unfinished_and_a_rerun_on_a_new_serv
         for key in ("hidden_states", "last_hidden_state"):
             ref, got = a[i][key], b[i][key]
             assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-5, (i, key)
+
+
+@pytest.mark.slow
+def test_online_training_reads_the_engines_states_and_logs_the_in_process_runs_losses(
+        vllm_python, answered_prompts, regen_dir, tmp_path, monkeypatch):
+    """train.hidden_states online with cache.backend engine: the train stage starts vLLM, asks it for each
+    micro-batch's states, holds only the target's parts, writes no cache, stops the server at the end; its losses
+    equal an in-process online run's on the same rows within fp32 rounding."""
+    import shutil
+
+    from conftest import set_args
+    from core.server_procs import tagged_processes
+    from pipeline import main
+    from test_trainer import metrics
+
+    marker = f"DRAFTSMITH_TEST_LIVE={uuid.uuid4().hex}"
+    monkeypatch.setenv(*marker.split("=", 1))
+    runs = {}
+    for backend in ("hf", "engine"):
+        out = tmp_path / backend
+        out.mkdir()
+        shutil.copytree(regen_dir, out / "regen")
+        sets = [arg for pair in zip(["--set"] * 99, engine_sets(answered_prompts)) for arg in pair]
+        assert main(["--recipe", "dspark_smollm2_135m", "--out", str(out), "--stages", "train", *sets,
+                     *set_args({"train.hidden_states": "online", "cache.backend": backend, "train.max_steps": 2,
+                                "train.global_batch_size": 2, "regen.engine_python": vllm_python})]) == 0
+        runs[backend] = metrics(out)
+        assert not (out / "cache").exists()
+    assert [pid for pid in tagged_processes() if carries(pid, marker)] == []
+    assert (tmp_path / "engine" / "train" / "vllm-states-rank0.log").stat().st_size > 0
+    for hf, engine in zip(runs["hf"], runs["engine"]):
+        assert engine["loss"] == pytest.approx(hf["loss"], rel=1e-4), (hf, engine)
