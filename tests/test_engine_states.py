@@ -289,7 +289,8 @@ def test_online_training_reads_the_engines_states_and_logs_the_in_process_runs_l
         vllm_python, answered_prompts, regen_dir, tmp_path, monkeypatch):
     """train.hidden_states online with cache.backend engine: the train stage starts vLLM, asks it for each
     micro-batch's states, holds only the target's parts, writes no cache, stops the server at the end; its losses
-    equal an in-process online run's on the same rows within fp32 rounding."""
+    equal an in-process online run's on the same rows within fp32 rounding (under bf16 autocast they came 1e-4 apart
+    at the first step, 1e-3 at the second)."""
     import shutil
 
     from conftest import set_args
@@ -307,7 +308,8 @@ def test_online_training_reads_the_engines_states_and_logs_the_in_process_runs_l
         sets = [arg for pair in zip(["--set"] * 99, engine_sets(answered_prompts)) for arg in pair]
         assert main(["--recipe", "dspark_smollm2_135m", "--out", str(out), "--stages", "train", *sets,
                      *set_args({"train.hidden_states": "online", "cache.backend": backend, "train.max_steps": 2,
-                                "train.global_batch_size": 2, "regen.engine_python": vllm_python})]) == 0
+                                "train.global_batch_size": 2, "train.precision": "fp32",  # bf16 would round apart
+                                "regen.engine_python": vllm_python})]) == 0
         runs[backend] = metrics(out)
         assert not (out / "cache").exists()
     assert [pid for pid in tagged_processes() if carries(pid, marker)] == []
