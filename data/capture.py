@@ -239,8 +239,8 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
 @contextlib.contextmanager
 def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool, info: dict):
     """(capture(rows, dtype) -> [(hidden, last)], rows per call): the in-process target's forward (cache.batch_size
-    rows, padded), or a vLLM engine's (cache.backend engine; as many rows in flight as regen.max_concurrency allows,
-    the engine batches them itself; `info` gets its server's start-up seconds). The engine's server, when the stage
+    rows, padded), or a vLLM engine's (cache.backend engine; a shard's rows streamed in order, as many in flight as
+    regen.max_concurrency allows, the engine batching them itself; `info` gets its server's start-up seconds). The engine's server, when the stage
     starts one, is stopped whatever happens."""
     if recipe.cache.backend != "engine":
         yield (lambda rows, dtype: capture_rows(model, rows, recipe.target.layer_ids, dtype)), recipe.cache.batch_size
@@ -254,7 +254,7 @@ def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool, info: dict
     try:
         dist.print(f"[cache] hidden states from the vLLM engine at {', '.join(engine.urls)} (cache.backend engine; "
                    f"its layers {engine.aux_ids})")
-        yield engine.capture, recipe.regen.max_concurrency
+        yield engine.capture, recipe.cache.records_per_shard  # a shard's rows streamed (EngineStates.capture)
     finally:
         engine.close()
 

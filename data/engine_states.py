@@ -24,8 +24,10 @@ sees it (a shared file system).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import fcntl
+import itertools
 import json
 import os
 import tempfile
@@ -68,7 +70,7 @@ def engine_server_args(aux_ids: list[int], states_dir: str) -> list[str]:
 
 
 class EngineStates:
-    """`capture(rows) -> [(hidden [T, K*H], last [T, H])]` in `dtype`, as data/capture.capture_rows gives them, from
+    """`capture(rows, dtype)`: (hidden [T, K*H], last [T, H]) of each row, as data/capture.capture_rows gives them, from
     vLLM servers: its own (started here, stopped by `close`) or cache.server_urls'. `norm` is the target's final norm
     (a module of the target loaded without its decoder layers: modeling/target.load_target_parts)."""
 
@@ -88,7 +90,8 @@ class EngineStates:
             self.states_dir = Path(cache.states_dir or self._scratch.name)
             self.server = self._start_server(recipe, dist, Path(log_dir))
             self.urls = [self.server.url]
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=regen.max_concurrency)
+        self.window = regen.max_concurrency
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.window)
 
     def _start_server(self, recipe, dist: Dist, log_dir: Path) -> LiveServer:
         regen = recipe.regen
@@ -108,29 +111,34 @@ class EngineStates:
         server.__enter__()
         return server
 
-    def capture(self, rows: list[dict], dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        futures = [self.pool.submit(self._one, list(map(int, r["input_ids"])), self.urls[i % len(self.urls)])
-                   for i, r in enumerate(rows)]
-        pending = set(futures)
-        while pending:
-            finished, pending = concurrent.futures.wait(pending, timeout=self.recipe.regen.stall_timeout_s,
-                                                        return_when=concurrent.futures.FIRST_COMPLETED)
-            if not finished:
-                for f in pending:
-                    f.cancel()
+    def capture(self, rows: list[dict], dtype: torch.dtype):
+        """(hidden, last) of each row, in order, as they come: regen.max_concurrency rows in flight at most (vLLM
+        batches them), so a shard's states never sit in memory all at once and the cache writes while vLLM runs."""
+        stall = self.recipe.regen.stall_timeout_s
+        todo = iter(enumerate(rows))
+        in_flight: collections.deque = collections.deque()
+
+        def fill() -> None:
+            for i, row in itertools.islice(todo, self.window - len(in_flight)):
+                in_flight.append(self.pool.submit(self._one, list(map(int, row["input_ids"])),
+                                                  self.urls[i % len(self.urls)]))
+
+        fill()
+        while in_flight:
+            done, _ = concurrent.futures.wait([in_flight[0]], timeout=stall)
+            if not done:
+                for future in in_flight:
+                    future.cancel()
                 raise EngineStatesError(
-                    f"no hidden states from {', '.join(map(redact_url, self.urls))} for "
-                    f"{self.recipe.regen.stall_timeout_s:g} s (regen.stall_timeout_s) with {len(pending)} rows in "
-                    f"flight: the server accepts requests but does not finish them. Nothing of this shard was "
-                    f"written; fix or restart the server and rerun the stage to resume{self._log()}")
-        out = []
-        for future in futures:
-            states = future.result()
+                    f"no hidden states from {', '.join(map(redact_url, self.urls))} for {stall:g} s "
+                    f"(regen.stall_timeout_s) with {len(in_flight)} rows in flight: the server accepts requests but "
+                    f"does not finish them. Nothing of this shard was written; fix or restart the server and rerun "
+                    f"the stage to resume{self._log()}")
+            states = in_flight.popleft().result()
+            fill()
             with torch.no_grad():
                 last = self.norm(states[:, self.last_column].to(self.norm.weight.dtype))
-            hidden = states[:, self.columns].reshape(states.shape[0], -1)
-            out.append((hidden.to(dtype), last.to(dtype)))
-        return out
+            yield states[:, self.columns].reshape(states.shape[0], -1).to(dtype), last.to(dtype)
 
     def _one(self, ids: list[int], url: str) -> torch.Tensor:
         """[T, len(aux_ids), H] states of one row (the engine's dtype)."""
