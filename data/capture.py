@@ -240,8 +240,8 @@ def run_cache(recipe, regen_dir: Path, out_dir: Path, dist: Dist, get_model, tok
 def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool, info: dict):
     """(capture(rows, dtype) -> [(hidden, last)], rows per call): the in-process target's forward (cache.batch_size
     rows, padded), or a vLLM engine's (cache.backend engine; a shard's rows streamed in order, as many in flight as
-    regen.max_concurrency allows, the engine batching them itself; `info` gets its server's start-up seconds). The engine's server, when the stage
-    starts one, is stopped whatever happens."""
+    regen.max_concurrency allows, the engine batching them itself; `info` gets its server's start-up seconds). The
+    engine's server, when the stage starts one, is stopped whatever happens."""
     if recipe.cache.backend != "engine":
         yield (lambda rows, dtype: capture_rows(model, rows, recipe.target.layer_ids, dtype)), recipe.cache.batch_size
         return

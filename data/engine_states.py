@@ -99,7 +99,7 @@ class EngineStates:
         python = regen.engine_python or default_engine_python("vllm")
         dtype = str(target_dtype(recipe.target.dtype, dist.device)).removeprefix("torch.")
         port = free_port()
-        eager = () if dist.device.type == "cuda" else ("--enforce-eager",)  # torch.compile on CPU: minutes, same numbers
+        eager = () if dist.device.type == "cuda" else ("--enforce-eager",)  # CPU torch.compile: minutes, same numbers
         # +1: the request asks for one token after the longest row (data.max_length tokens)
         argv = vllm_server_command(python, target_path, port, dtype=dtype, max_model_len=recipe.data.max_length + 1,
                                    extra=(*eager, *engine_server_args(self.aux_ids, str(self.states_dir)),

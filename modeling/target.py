@@ -122,8 +122,8 @@ def load_target_parts(name_or_path: str, device: torch.device | str = "cpu", dty
                       last_layers: int = 0):
     """The target as a trainer needs it when a serving engine computes its hidden states (cache.backend: engine):
     the embedding, the final norm and the lm_head loaded, plus the `last_layers` last decoder layers (draft.init_layers
-    target copies them); every other decoder layer stays on the meta device, taking no memory. `weights_fingerprint` of it
-    equals the whole target's (read tensor by tensor from the checkpoint)."""
+    target copies them); every other decoder layer stays on the meta device, taking no memory. `weights_fingerprint`
+    of it equals the whole target's (read tensor by tensor from the checkpoint)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 

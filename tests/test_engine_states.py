@@ -178,8 +178,8 @@ def test_engine_states_equal_the_in_process_targets_per_layer_and_the_stage_stop
     """The cache stage under cache.backend engine starts vLLM (extract_hidden_states, SmolLM2, fp32) and writes the
     cache the in-process stage writes: every record's ids and mask equal, each of the recipe's layers and the
     final-norm state within fp32 rounding of the in-process target's (measured: layers <= 8e-7, the final norm
-    2e-6, of the state's largest magnitude), the same target fingerprint; the stage loads only the target's parts, and no process of its server
-    is left when it ends."""
+    2e-6, of the state's largest magnitude), the same target fingerprint; the stage loads only the target's parts,
+    and no process of its server is left when it ends."""
     from core.server_procs import tagged_processes
 
     tokenizer = load_tokenizer(SMOLLM2)
