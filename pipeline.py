@@ -293,12 +293,13 @@ def eval_overlap_problem(recipe) -> list[str]:
 def export_problem(recipe, architecture: str | None) -> list[str]:
     """The export stage writes an SGLang checkpoint: a target SGLang cannot serve this family's draft beside
     (export/serving.py unserved_target) is refused before the training that comes first, not after it."""
-    from export.serving import serves_as_dflash, unserved_target
+    from export.serving import detect_algorithm, unserved_target
 
     d = recipe.draft
-    layout = {"sample_from_anchor": d.sample_from_anchor, "markov_rank": d.markov_rank,
-              "enable_confidence_head": d.enable_confidence_head}
-    algorithm = "eagle3" if recipe.family == "eagle3" else "dflash" if serves_as_dflash(layout) else "dspark"
+    layout = {"architectures": ["LlamaForCausalLMEagle3" if recipe.family == "eagle3" else "Qwen3DSparkModel"],
+              "sample_from_anchor": d.sample_from_anchor, "markov_rank": d.markov_rank,
+              "enable_confidence_head": d.enable_confidence_head, "selector_rank": d.selector_rank}
+    algorithm = detect_algorithm(layout)
     why = unserved_target("sglang", algorithm, architecture)
     return [f"--stages export: {why}. The export stage writes SGLang's checkpoint: leave it out of --stages (and "
             f"export with export/main.py where an engine serves it)"] if why else []

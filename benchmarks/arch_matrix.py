@@ -42,6 +42,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILIES = ("dspark", "dflash", "eagle3")
+# Families the matrix leaves out, and why (tests/test_family_seam.py holds FAMILIES + these to core/recipe.py's):
+# DFlash2 is the DFlash backbone, which the matrix runs on every architecture, plus a selector that reads no target
+# state.
+MATRIX_LEAVES_OUT = {"dflash2": "the DFlash backbone (run here) plus a selector that reads no target state"}
 ENGINE_COLUMNS = {"sglang": "SGLang", "vllm": "vLLM"}
 LAYER_IDS = [0, 1, 2]
 # the tiny runs' recipe keys (as tests/conftest.py tiny_overrides and tests/test_trainer.py TRAIN)

@@ -28,8 +28,9 @@ from core.redact import redact_url, redact_urls
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 #: the drafter families a recipe trains; modeling/registry.py maps each to its model class. The block families are
-#: one model (modeling/dspark.py): DFlash is DSpark with its Markov and confidence heads off.
-BLOCK_FAMILIES = ("dspark", "dflash")
+#: one model (modeling/dspark.py): DFlash is DSpark with its Markov and confidence heads off, DFlash2 is DFlash plus
+#: the candidate selector (modeling/selector.py).
+BLOCK_FAMILIES = ("dspark", "dflash", "dflash2")
 FAMILIES = (*BLOCK_FAMILIES, "eagle3")
 
 
@@ -168,6 +169,10 @@ class DraftConfig:
     #: context, read the target's prediction there), fitted on the cache at the start (train/copy_init.py) | frozen =
     #: that start kept as fitted while the rest trains.
     init_copy: Literal["none", "trained", "frozen"] = "none"
+    #: DFlash2's candidate selector: rank of its predecessor/successor tables (0 = none) and the K candidates per slot
+    #: (the lm_head's top K) it rescores with the transition from the previous slot's pick.
+    selector_rank: int = 0
+    selector_top_k: int = 16
     #: Eagle3 only.
     ttt_length: int = 7
     draft_vocab_size: Optional[int] = None
@@ -182,6 +187,9 @@ class LossConfig:
     loss_decay_gamma: float = 4.0
     #: block drafters: cross-entropy against the target's whole distribution at each prediction (dense soft labels).
     soft_ce_alpha: float = 0.0
+    #: DFlash2: weight of the selector's K-way cross-entropy (speculators' selector_loss_alpha): its scores over the
+    #: draft's top-K candidates (the label put in place of the K-th when absent) against the CE label (loss.ce_labels).
+    selector_alpha: float = 0.0
     #: block drafters: the first N optimizer steps train CE only (the L1 term has almost no gradient while the draft
     #: puts ~1/V on the target's token), then the alphas above.
     ce_warmup_steps: int = 0
@@ -517,7 +525,8 @@ def _check_values(recipe: Recipe) -> None:
     if recipe.regen.top_k < -1:
         problems.append(f"regen.top_k must be >= 1, or 0 / -1 for no top-k cut, got {recipe.regen.top_k}")
     for key in ("regen.temperature", "eval.temperature", "train.weight_decay", "train.feature_noise", "loss.ce_alpha",
-                "loss.l1_alpha", "loss.conf_alpha", "loss.soft_ce_alpha", "loss.ce_warmup_steps",
+                "loss.l1_alpha", "loss.conf_alpha", "loss.soft_ce_alpha", "loss.selector_alpha",
+                "loss.ce_warmup_steps",
                 "data.min_loss_tokens", "opd.rounds"):
         if _get(recipe, key) < 0:
             problems.append(f"{key} must be >= 0, got {_get(recipe, key)}")
@@ -553,6 +562,7 @@ def _check_values(recipe: Recipe) -> None:
     problems += [f"regen.server_urls[{i}]: {redact_url(url)!r} is not an http(s) URL; write it as http://host:port"
                  for i, url in enumerate(recipe.regen.server_urls) if not url.startswith(("http://", "https://"))]
     problems += _cache_backend_problems(recipe)
+    problems += _selector_problems(recipe)
     non_negative = {"draft.markov_rank": recipe.draft.markov_rank,
                     "train.keep_checkpoints": recipe.train.keep_checkpoints}
     problems += [f"{k} must be >= 0, got {v}" for k, v in non_negative.items() if v < 0]
@@ -582,6 +592,23 @@ def _cache_backend_problems(recipe: Recipe) -> list[str]:
     if cache.server_urls and not cache.states_dir:
         problems.append("cache.backend engine with cache.server_urls needs cache.states_dir: the folder those servers' "
                         "connector writes the states to (their shared_storage_path), as this machine sees it")
+    return problems
+
+
+def _selector_problems(recipe: Recipe) -> list[str]:
+    """DFlash2 is the family with a candidate selector, and the selector serves only in SGLang's and vLLM's DFLASH
+    worker (the 1+N layout, no Markov or confidence head)."""
+    d = recipe.draft
+    if recipe.family != "dflash2":
+        return [] if d.selector_rank == 0 else [f"draft.selector_rank={d.selector_rank} is DFlash2's candidate "
+                                                f"selector: set family: dflash2, or draft.selector_rank=0"]
+    problems = []
+    if d.selector_rank < 1 or d.selector_top_k < 2:
+        problems.append(f"family dflash2 needs draft.selector_rank >= 1 and draft.selector_top_k >= 2 (got "
+                        f"{d.selector_rank}, {d.selector_top_k}); base: [dflash2] sets 256 and 16")
+    if d.sample_from_anchor or d.markov_rank or d.enable_confidence_head:
+        problems.append("family dflash2 serves through SGLang's and vLLM's DFLASH worker: set "
+                        "draft.sample_from_anchor=false, draft.markov_rank=0, draft.enable_confidence_head=false")
     return problems
 
 

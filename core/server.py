@@ -39,7 +39,7 @@ LOG_TAIL_LINES = 40
 # --speculative-algorithm, lowercase; export/serving.py detect_algorithm), not the family it was trained as
 # (core/recipe.py FAMILIES): a dflash-family draft in the anchor-first layout serves as dspark.
 ENGINES = ("sglang", "vllm")
-SERVING_ALGORITHMS = ("eagle3", "dflash", "dspark")
+SERVING_ALGORITHMS = ("eagle3", "dflash", "dspark", "dflash2")
 DEFAULT_TOLERANCE = 0.02
 
 

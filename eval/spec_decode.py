@@ -16,9 +16,10 @@ The loop (`speculative_generate`)
     Output stops at EOS or max_new_tokens (the last round is truncated; nothing past the budget is emitted).
 
 Drafters (`Drafter`: reset / propose / accept; the loop never looks inside)
-    DSparkDrafter   DSpark and DFlash (`Qwen3DSparkModel`). Context = target hidden states of every verified token;
-                    one parallel block pass anchored at the pending token (which, as in training, sees only context
-                    positions < anchor), then DSpark's Markov head samples left to right; sigmoid confidences.
+    DSparkDrafter   DSpark, DFlash, DFlash2 (`Qwen3DSparkModel`). Context = target hidden states of every verified
+                    token; one parallel block pass anchored at the pending token (which, as in training, sees only
+                    context positions < anchor), then DSpark's Markov head samples left to right (sigmoid
+                    confidences), or DFlash2's selector walks its path through each slot's top K.
     Eagle3Drafter   `LlamaForCausalLMEagle3`: a chain of gamma steps as in TTT; draft ids -> target ids via d2t.
     DraftLMDrafter  any HF causal LM sharing the tokenizer, with its own KV cache. Prompt lookup: eval/lookup.py.
 `load_draft(dir, target)` builds the right one from a saved `runs/<recipe>/train/final/` (or a serving export).
@@ -43,6 +44,7 @@ from modeling.cpu_linear import pack_linears
 from modeling.dspark import ContextCache, DSparkModel
 from modeling.eagle3 import Eagle3Model
 from modeling.registry import load_draft_model
+from modeling.selector import walk
 from modeling.target import TargetRunner, crop_cache, vocab_logits
 
 GREEDY_BELOW = 1e-5  # DeepSpec: temperatures below this mean greedy (one-hot distributions)
@@ -210,6 +212,9 @@ class DSparkDrafter(Drafter):
         rnn = markov is not None and markov.head_type == "rnn"
         base = vocab_logits(h, self.head.weight)
         vocab = self.vocab
+        if model.candidate_selector is not None:  # DFlash2: the selector's best path through each slot's top K
+            self.last = self._selector_proposal(h, base, temperature, generator)
+            return self.last
         if markov is None and is_greedy(temperature):  # DFlash at T=0: every draft at once
             tokens = argmax(base) if vocab is None else vocab[argmax(base)].tolist()
             self.last = Proposal(tokens, None, self._confidences(h, [self.tokens[-1], *tokens][:len(tokens)]))
@@ -234,6 +239,18 @@ class DSparkDrafter(Drafter):
         self.last = Proposal(tokens, None if is_greedy(temperature) or not tokens else torch.stack(probs),
                              self._confidences(h, prev[:-1]))
         return self.last
+
+    def _selector_proposal(self, h, base, temperature, generator) -> Proposal:
+        """The walk of modeling/selector.py over the lm_head's top K of every slot (among the drafting vocabulary when
+        the draft has one), as SGLang's DFlash2DraftModel: candidates, edge scores, one path."""
+        selector, vocab = self.model.candidate_selector, self.vocab
+        unary, places = base.float().topk(selector.top_k, dim=-1)
+        ids = places if vocab is None else vocab[places]
+        scores = selector.edge_scores(h, unary, ids, self.tokens[-1])
+        tokens, q, _ = walk(scores, ids, 0.0 if is_greedy(temperature) else temperature, generator)
+        # sampled: the proposal over the whole vocabulary, zero outside each slot's candidates
+        probs = None if q is None else q.new_zeros(len(tokens), self.model.config.vocab_size).scatter_(1, ids, q)
+        return Proposal(tokens, probs, None)
 
     def _confidences(self, h: torch.Tensor, prev: list[int]) -> list[float] | None:
         """P(draft k accepted | drafts < k accepted) from the confidence head, given each draft's previous token."""

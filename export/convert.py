@@ -10,6 +10,10 @@ Which serving algorithm a draft maps to (SGLang names; export/serving.py `detect
     LlamaForCausalLMEagle3                              -> EAGLE3  (LlamaForCausalLMEagle3)
     Qwen3DSparkModel, 1+N layout (sample_from_anchor=False), markov_rank=0, no confidence head
                                                         -> DFLASH  (DFlashDraftModel; dflash_config.block_size=gamma+1)
+    Qwen3DSparkModel with a candidate selector (selector_rank > 0; 1+N layout, markov_rank=0, no confidence head)
+                                                        -> DFLASH2 (DFlash2DraftModel, served by SGLang's and vLLM's
+                                                           DFLASH worker; vLLM's layers also get identity grouped
+                                                           convolutions, `identity_convolutions`)
     Qwen3DSparkModel, anything else                     -> DSPARK  (Qwen3DSparkModel; block_size=gamma)
 
 Strictness: the expected tensors are the registry's model built on the meta device from the draft's own config
@@ -129,9 +133,11 @@ def _anchor_first_refusal(cfg: dict) -> str:
 
 
 def _check_serving_support(cfg: dict, algorithm: str, target: str) -> None:
-    if algorithm == "dflash" and cfg.get("architectures", [None])[0] == "Qwen3DSparkModel":
+    if algorithm in ("dflash", "dflash2") and cfg.get("architectures", [None])[0] == "Qwen3DSparkModel":
         if not serves_as_dflash(cfg):
-            raise ValueError(f"cannot export as DFLASH: {_anchor_first_refusal(cfg)}")
+            raise ValueError(f"cannot export as {algorithm.upper()}: {_anchor_first_refusal(cfg)}")
+    if algorithm == "dflash2":
+        _require(cfg, "mask_token_id", "block_size", "selector_rank", "selector_top_k")
     if algorithm == "dspark":
         _require(cfg, "mask_token_id", "block_size")
         if target == "sglang" and int(cfg.get("markov_rank", 0) or 0) <= 0:
@@ -179,7 +185,7 @@ def _base_transformer_config(cfg: dict, drop: tuple[str, ...]) -> dict:
 
 _BLOCK_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id", "markov_rank",
                "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor",
-               "dflash_config", "auto_map")
+               "dflash_config", "auto_map", "selector_rank", "selector_top_k")
 
 
 def sglang_config(cfg: dict, algorithm: str) -> dict:
@@ -200,10 +206,12 @@ def sglang_config(cfg: dict, algorithm: str) -> dict:
     if cfg.get("num_target_layers") is not None:
         dflash["num_target_layers"] = int(cfg["num_target_layers"])
         out["num_target_layers"] = int(cfg["num_target_layers"])
-    if algorithm == "dflash":
-        out["architectures"] = ["DFlashDraftModel"]
+    if algorithm in ("dflash", "dflash2"):
+        out["architectures"] = ["DFlashDraftModel" if algorithm == "dflash" else "DFlash2DraftModel"]
         # SGLang DFLASH: block_size is the full verify width of the 1+N block, gamma + 1
         dflash["block_size"] = out["block_size"] = block_length(gamma, sample_from_anchor=False)
+        if algorithm == "dflash2":  # parse_dflash_draft_config reads the selector from dflash_config only
+            dflash.update(selector_rank=int(cfg["selector_rank"]), selector_top_k=int(cfg["selector_top_k"]))
         out["dflash_config"] = dflash
         return out
     rank = int(cfg.get("markov_rank", 0) or 0)
@@ -245,7 +253,7 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
         layer = _base_transformer_config(cfg, _BLOCK_KEYS + ("architectures",))
         layer["architectures"] = ["Qwen3ForCausalLM"]
         layer["model_type"] = "qwen3"
-        name = "DFlashSpeculator" if algorithm == "dflash" else "DSparkSpeculator"
+        name = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2Speculator"}.get(algorithm, "DSparkSpeculator")
         rank = int(cfg.get("markov_rank", 0) or 0)
         out = {"architectures": [name], "speculators_model_type": algorithm, "transformer_layer_config": layer,
                "draft_vocab_size": int(cfg["vocab_size"]),
@@ -259,6 +267,9 @@ def vllm_config(cfg: dict, algorithm: str, verifier: str | None) -> dict:
             out.update(markov_rank=rank, markov_head_type=cfg.get("markov_head_type", "vanilla"),
                        enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
                        confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", rank > 0)))
+        if algorithm == "dflash2":  # vLLM's update_dflash2 copies these four into dflash_config
+            out.update(selector_rank=int(cfg["selector_rank"]), selector_top_k=int(cfg["selector_top_k"]),
+                       conv_kernel_size=1, conv_group_size=int(cfg["hidden_size"]))
         speculative_tokens = int(cfg["block_size"])
     out["speculators_config"] = {
         "algorithm": algorithm,
@@ -397,6 +408,20 @@ def _validate(state: dict[str, torch.Tensor], entries: list[Entry]) -> dict[str,
     return out
 
 
+def identity_convolutions(cfg: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The grouped causal convolutions vLLM 0.32's DFlash2 layer always builds around attention and MLP (its
+    DFlash2Qwen3DecoderLayer reads dflash_config.conv_kernel_size / conv_group_size, and would run uninitialised
+    tensors without weights), as the identity: one tap, one group, base kernel 1, no token-dependent part. Our DFlash2
+    has no convolutions (SGLang builds them only when asked), so this is exactly our backbone."""
+    hidden = int(cfg["hidden_size"])
+    out = {}
+    for i in range(int(cfg["num_hidden_layers"])):
+        for conv in ("attention_conv", "mlp_conv"):
+            out[f"layers.{i}.{conv}.base_kernel"] = torch.ones(2, 1, hidden, dtype=dtype)
+            out[f"layers.{i}.{conv}.kernel_projection.weight"] = torch.zeros(2, hidden, dtype=dtype)
+    return out
+
+
 def _check_eagle3_mapping(cfg: dict, state: dict[str, torch.Tensor]) -> None:
     if not mapping_agrees(state["d2t"], state["t2d"]):
         raise ValueError("key 'd2t' disagrees with 't2d': arange(draft_vocab_size) + d2t must be the ids where t2d")
@@ -435,6 +460,11 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
         raise ValueError(f"algorithm must be one of {SERVING_ALGORITHMS}, got {algorithm!r}")
     if (algorithm == "eagle3") != (detected == "eagle3"):
         raise ValueError(f"a {cfg['architectures'][0]} draft cannot export as {algorithm.upper()}")
+    if (algorithm == "dflash2") != (detected == "dflash2"):  # the selector would be dropped, or there is none
+        has = "with" if detected == "dflash2" else "without"
+        raise ValueError(f"a draft {has} a candidate selector (selector_rank {cfg.get('selector_rank', 0)}) cannot "
+                         f"export as {algorithm.upper()}; export it as "
+                         f"{detected.upper()} (leave out --algorithm)")
     _check_serving_support(cfg, algorithm, to)
     unserved = unserved_target(to, algorithm, (target_shape(verifier) or {}).get("architecture") if verifier else None)
     if unserved:
@@ -454,6 +484,8 @@ def export_draft(checkpoint_dir, to: str, out_dir, *, algorithm: str | None = No
     out_cfg = sglang_config(cfg, algorithm) if to == "sglang" else vllm_config(cfg, algorithm, verifier)
     dtype = serving_dtype(dtype, verifier, next(t.dtype for t in tensors.values() if t.is_floating_point()))
     tensors = {k: t.to(getattr(torch, dtype)) if t.is_floating_point() else t for k, t in tensors.items()}
+    if to == "vllm" and algorithm == "dflash2":
+        tensors.update(identity_convolutions(cfg, getattr(torch, dtype)))
     declare_dtype(out_cfg, dtype)
     sts, sps = _serving_files(checkpoint_dir, cfg, algorithm, sts_path, sps_path)
 

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="export/main.py",
         description="Export a trained DraftSmith draft (config.json + model.safetensors) to a serving checkpoint. "
                     "SGLang 0.5.23: Eagle3 -> EAGLE3 (LlamaForCausalLMEagle3); DFlash with the 1+N layout -> DFLASH "
-                    "(DFlashDraftModel, block_size = gamma+1); other block drafts -> DSPARK (Qwen3DSparkModel, "
+                    "(DFlashDraftModel, block_size = gamma+1); DFlash2 (a candidate selector) -> DFlash2DraftModel "
+                    "(SGLang's DFLASH worker); other block drafts -> DSPARK (Qwen3DSparkModel, "
                     "block_size = gamma). vLLM: a speculators-format folder (speculators_config). Every tensor is "
                     "checked by name, shape and dtype; on any error nothing is written to --out.")
     parser.add_argument("--checkpoint", required=True, type=Path, help="trained draft folder (config.json + "

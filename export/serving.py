@@ -32,7 +32,11 @@ from core.server import SERVING_ALGORITHMS, sglang_server_command, vllm_server_c
 from modeling.registry import read_config
 from modeling.target import load_tokenizer
 
-SGLANG_ALGORITHMS = {name: name.upper() for name in SERVING_ALGORITHMS}  # --speculative-algorithm's spelling
+# --speculative-algorithm's spelling, and vLLM's speculative-config method: both engines run DFlash2DraftModel in their
+# DFLASH worker (SGLang's DFlash2DraftModel, "Reuses the DFLASH speculative worker"; vLLM's speculators reader maps
+# dflash2 to method dflash), which picks the selector by the draft's architecture.
+SGLANG_ALGORITHMS = {**{name: name.upper() for name in SERVING_ALGORITHMS}, "dflash2": "DFLASH"}
+VLLM_METHODS = {**{name: name for name in SERVING_ALGORITHMS}, "dflash2": "dflash"}
 STS_FILENAME = "sts.json"
 SPS_FILENAME = "sps_table.json"
 # SGLang 0.5.23 builds a DSpark draft's confidence head, reads the STS file and runs the SPS-table verify scheduler
@@ -77,12 +81,13 @@ SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  
 # target-architecture matrix (tests/test_arch_matrix.py checks this table against them); an architecture not listed
 # is served, or not known here.
 UNSERVED_TARGETS = {
-    "sglang": {"MixtralForCausalLM": SERVING_ALGORITHMS, "Qwen2ForCausalLM": ("dflash", "dspark"),
-               "Gemma3ForCausalLM": ("dflash", "dspark")},
+    "sglang": {"MixtralForCausalLM": SERVING_ALGORITHMS, "Qwen2ForCausalLM": ("dflash", "dspark", "dflash2"),
+               "Gemma3ForCausalLM": ("dflash", "dspark", "dflash2")},
     "vllm": {"MixtralForCausalLM": SERVING_ALGORITHMS, "Gemma3ForCausalLM": SERVING_ALGORITHMS},
 }
 _HIDDEN_STATES_HOOK = {("sglang", "eagle3"): "no set_eagle3_layers_to_capture",
                        ("sglang", "dflash"): "no set_dflash_layers_to_capture",
+                       ("sglang", "dflash2"): "no set_dflash_layers_to_capture",
                        ("sglang", "dspark"): "no set_dflash_layers_to_capture",
                        **{("vllm", a): "no SupportsEagle3 interface" for a in SERVING_ALGORITHMS}}
 ENGINE_NAMES = {"sglang": "SGLang 0.5.23", "vllm": "vLLM 0.32"}
@@ -119,10 +124,13 @@ def serves_as_dflash(cfg: dict) -> bool:
 
 
 def detect_algorithm(cfg: dict) -> str:
-    """eagle3 | dflash | dspark from config `architectures[0]` and the block-draft flags (`serves_as_dflash`)."""
+    """eagle3 | dflash | dspark | dflash2 from config `architectures[0]` and the block-draft flags
+    (`serves_as_dflash`; a candidate selector, selector_rank > 0, is DFlash2)."""
     arch = (cfg.get("architectures") or [None])[0]
     if arch == "LlamaForCausalLMEagle3":
         return "eagle3"
+    if arch == "DFlash2DraftModel" or (arch == "Qwen3DSparkModel" and int(cfg.get("selector_rank", 0) or 0) > 0):
+        return "dflash2"
     if arch in ("Qwen3DSparkModel", "DFlashDraftModel"):
         return "dflash" if serves_as_dflash(cfg) else "dspark"
     raise ValueError(f"config architectures[0]={arch!r}: expected LlamaForCausalLMEagle3 or Qwen3DSparkModel")
@@ -130,7 +138,7 @@ def detect_algorithm(cfg: dict) -> str:
 
 def vllm_command(python: str, target: str, draft_dir: Path, method: str, num_tokens: int, port: int, *,
                  dtype: str = "float32", max_model_len: int = 2048, extra: tuple[str, ...] = ()) -> list[str]:
-    spec = {"model": str(draft_dir), "method": method, "num_speculative_tokens": num_tokens}
+    spec = {"model": str(draft_dir), "method": VLLM_METHODS.get(method, method), "num_speculative_tokens": num_tokens}
     return vllm_server_command(python, target, port, dtype=dtype, max_model_len=max_model_len,
                                extra=("--speculative-config", json.dumps(spec), *extra))
 

@@ -1,4 +1,5 @@
-"""DSpark drafter (and DFlash, which is DSpark with markov_rank=0 and the confidence head off).
+"""DSpark drafter (and DFlash, which is DSpark with markov_rank=0 and the confidence head off; DFlash2 is DFlash plus
+the candidate selector of modeling/selector.py, config.selector_rank > 0).
 
 What it is
     A block drafter: one non-causal pass over a block [x_a, MASK, MASK, ...] anchored at position a proposes gamma
@@ -54,6 +55,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from modeling.cpu_linear import fast_linear
+from modeling.selector import CandidateSelector
 from modeling.target import COPIED_PROJECTIONS, copied_layer, decoder_layers, draft_rope, init_fc_and_norm
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -74,6 +76,8 @@ def build_dspark_config(
     markov_head_type: str = "vanilla",
     enable_confidence_head: bool = False,
     sample_from_anchor: bool = True,
+    selector_rank: int = 0,
+    selector_top_k: int = 16,
 ) -> Qwen3Config:
     """A Qwen3Config for the draft: dims from the target (Llama/SmolLM2 or Qwen3), DSpark keys at top level.
 
@@ -125,6 +129,7 @@ def build_dspark_config(
     config.enable_confidence_head = bool(enable_confidence_head)
     config.confidence_head_with_markov = markov_rank > 0
     config.sample_from_anchor = bool(sample_from_anchor)
+    config.selector_rank, config.selector_top_k = int(selector_rank), int(selector_top_k)  # DFlash2 (rank 0: none)
     return config
 
 
@@ -368,6 +373,9 @@ class DSparkModel(nn.Module):
             ConfidenceHead(hidden + (rank if config.confidence_head_with_markov else 0))
             if config.enable_confidence_head else None
         )
+        rank = getattr(config, "selector_rank", 0)  # configs from before DFlash2 have no key: no selector
+        self.candidate_selector = (CandidateSelector(hidden, vocab, rank, config.selector_top_k) if rank > 0
+                                   else None)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -380,6 +388,8 @@ class DSparkModel(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, Qwen3RMSNorm):
                 module.weight.fill_(1.0)
+        if self.candidate_selector is not None:  # its tables are parameters, not modules
+            self.candidate_selector.reset_parameters()
 
     @classmethod
     def from_target(cls, config: Qwen3Config, target_model) -> "DSparkModel":
@@ -521,9 +531,16 @@ class DSparkModel(nn.Module):
         return logits
 
     def greedy_drafts(self, draft_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
-        """[..., gamma] the argmax drafts (target ids, among draft_vocab) given the previous tokens (teacher-forced)."""
-        drafts = self.draft_logits(draft_hidden, prev_ids, self.draft_vocab).argmax(-1)
-        return drafts if self.draft_vocab is None else self.draft_vocab[drafts]
+        """[..., gamma] the argmax drafts (target ids, among draft_vocab) given the previous tokens (teacher-forced);
+        DFlash2: the selector's pick among the top K, which is its walk's wherever the previous picks were right."""
+        logits = self.draft_logits(draft_hidden, prev_ids, self.draft_vocab)
+        ids = None if self.draft_vocab is None else self.draft_vocab.expand(*logits.shape[:-1], -1)
+        if self.candidate_selector is not None:
+            unary, places = logits.topk(self.candidate_selector.top_k, dim=-1)
+            ids = places if ids is None else ids.gather(-1, places)
+            logits = unary + self.candidate_selector.transition(draft_hidden, prev_ids, ids).to(unary)
+        drafts = logits.argmax(-1)
+        return drafts if ids is None else ids.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
 
     def confidence_logits(self, draft_hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """[..., gamma, H], [..., gamma] -> [..., gamma] logits of P(accept k | drafts < k accepted)."""

@@ -63,11 +63,12 @@ def metrics(out):
     return [json.loads(line) for line in (out / "train" / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("family", ["dspark", "dflash", "eagle3"])
+@pytest.mark.parametrize("family", ["dspark", "dflash", "dflash2", "eagle3"])
 def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, prompt_file, tmp_path):
     out = copy_run(prepared, family, tmp_path / "run")
     # options ride along: DSpark's softmaxes over 512 tokens, DFlash's labels the target's, noise on Eagle3's features
     options = {"dspark": {"loss.vocab_size": 512}, "dflash": {"loss.ce_labels": "target"},
+               "dflash2": {"loss.vocab_size": 512, "draft.selector_rank": 8, "draft.selector_top_k": 4},
                "eagle3": {"train.feature_noise": 0.1}}[family]
     done = run_cli(train_args(f"{family}_qwen3_8b", tiny_qwen3, prompt_file, out, stages="train,eval,export",
                               **options,
@@ -84,6 +85,8 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
         assert row["grad_norm"] > 0 and row["lr"] > 0
     if family == "dspark":
         assert {"ce", "l1", "conf_bce"} <= set(rows[0])
+    if family == "dflash2":  # the selector's own CE and teacher-forced accuracy, one per position
+        assert rows[0]["selector_ce"] > 0 and len(rows[0]["selector_acc"]) == 3
     assert "training tau estimate" in done.stdout
     # the final draft is a plain folder of config + safetensors, named as the serving engines name things
     final = out / "train" / "final"
@@ -100,13 +103,16 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
         assert config["architectures"] == ["Qwen3DSparkModel"]
         assert config["markov_rank"] == (8 if family == "dspark" else 0)
         assert any(k.startswith("markov_head.") for k in weights) == (family == "dspark")
+        assert any(k.startswith("candidate_selector.") for k in weights) == (family == "dflash2")
+    if family == "dflash2":  # successor rows outside the loss vocabulary: zero (no transition), never candidates
+        assert 0 < int((weights["candidate_selector.successor_codebook"].abs().sum(1) > 0).sum()) <= 512
     if family == "dspark":  # Markov rows outside the loss vocabulary: zero (no bias) and never trained
         trained_rows = weights["markov_head.markov_w2.weight"].abs().sum(1) > 0
         assert 0 < int(trained_rows.sum()) <= 512
         # and it drafts among those 512 tokens (token_map.pt), which the eval stage reports
         token_map = torch.load(final / "token_map.pt", weights_only=True)
         assert len(token_map) == 512 and bool(trained_rows[token_map].all())
-    else:
+    elif family != "dflash2":
         assert not (final / "token_map.pt").exists()
     # tensorboard and offline wandb both got the run
     assert list((out / "train" / "tensorboard").glob("events.*"))
@@ -114,7 +120,7 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     # the eval stage ran the trained drafter losslessly and printed tau
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["exact_match"] == 1.0 and report["block_size"] == 3
-    assert report["draft_vocab_size"] == (512 if family == "dspark" else None)
+    assert report["draft_vocab_size"] == (512 if family in ("dspark", "dflash2") else None)
     eval_done = json.loads((out / "eval" / "DONE.json").read_text())
     assert eval_done["accept_len"] == report["accept_len"]
     recorded = set(eval_done["outputs"])  # the report, and what export ships, recorded by size and sha256
@@ -122,9 +128,10 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     assert "[eval]" in done.stdout and f"tau {report['accept_len']:.3f}" in done.stdout
     # and the export stage wrote the SGLang checkpoint of the family's serving algorithm
     exported = json.loads((out / "export" / "sglang" / "config.json").read_text())
-    expected = {"dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel", "eagle3": "LlamaForCausalLMEagle3"}
+    expected = {"dspark": "Qwen3DSparkModel", "dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel",
+                "eagle3": "LlamaForCausalLMEagle3"}
     assert exported["architectures"] == [expected[family]]
-    algorithm = {"dspark": "DSPARK", "dflash": "DFLASH", "eagle3": "EAGLE3"}[family]
+    algorithm = {"dspark": "DSPARK", "dflash": "DFLASH", "dflash2": "DFLASH", "eagle3": "EAGLE3"}[family]
     assert (f"--speculative-algorithm {algorithm} --speculative-draft-model-path {out / 'export' / 'sglang'}"
             in done.stdout)  # the exact serving command
     assert f"tau = {report['accept_len']:.3f}" in done.stdout

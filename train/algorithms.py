@@ -7,8 +7,9 @@ Each algorithm supplies:
                                               batch's loss-weight sum; hidden states: attach_hidden
   accumulate(totals, out) / summarize(totals, dist, weight_total) -> metrics for the log
 
-DSpark and DFlash share one implementation (DFlash is the DSpark model with markov_rank=0 and the confidence head
-off, CE only); Eagle3 has its own. Random choices in a batch (anchor positions) are seeded per sample from
+DSpark, DFlash and DFlash2 share one implementation (DFlash is the DSpark model with markov_rank=0 and the
+confidence head off, CE only; DFlash2 is DFlash plus the candidate selector and its loss.selector_alpha term); Eagle3
+has its own. Random choices in a batch (anchor positions) are seeded per sample from
 (recipe seed, step, position in the global batch), so neither the rank count nor a resume changes them.
 """
 
@@ -170,14 +171,18 @@ class BlockTrainModule(_TrainModule):
     def has_idle_params(self) -> bool:
         # the confidence head at conf_alpha 0, or during the CE-only first steps below
         loss = self.recipe.loss
-        return self.draft.confidence_head is not None and (loss.conf_alpha == 0 or loss.ce_warmup_steps > 0)
+        idle_selector = self.draft.candidate_selector is not None and (loss.selector_alpha == 0
+                                                                       or loss.ce_warmup_steps > 0)
+        return idle_selector or (self.draft.confidence_head is not None
+                                 and (loss.conf_alpha == 0 or loss.ce_warmup_steps > 0))
 
     def forward(self, batch: dict, step: int):
         """The loss sums of one micro-batch of optimizer step `step` (CE only during loss.ce_warmup_steps)."""
         loss = self.recipe.loss
-        ce_alpha, l1_alpha, conf_alpha = loss.ce_alpha, loss.l1_alpha, loss.conf_alpha
+        ce_alpha, l1_alpha, conf_alpha, selector_alpha = loss.ce_alpha, loss.l1_alpha, loss.conf_alpha, \
+            loss.selector_alpha
         if step < loss.ce_warmup_steps:
-            ce_alpha, l1_alpha, conf_alpha = 1.0, 0.0, 0.0
+            ce_alpha, l1_alpha, conf_alpha, selector_alpha = 1.0, 0.0, 0.0, 0.0
         draft_hidden = self.draft(batch["input_ids"], batch["hidden_states"], batch["anchor_positions"],
                                   attention_mask=batch["attention_mask"])
         keep = batch["anchor_positions"] >= 0  # [B, A]
@@ -197,7 +202,7 @@ class BlockTrainModule(_TrainModule):
                           # DFlash too by default: the training tau estimate needs the target distribution
                           accept_stats=loss.accept_stats, use_checkpoint=loss.checkpoint,
                           soft_ce_alpha=loss.soft_ce_alpha, vocab_ids=self.draft.draft_vocab,
-                          target_labels=target_labels)
+                          target_labels=target_labels, selector_alpha=selector_alpha)
 
 
 class BlockAlgorithm:
@@ -209,7 +214,7 @@ class BlockAlgorithm:
             target.config, num_layers=d.num_layers, block_size=d.block_size,
             target_layer_ids=list(recipe.target.layer_ids), mask_token_id=mask_id, markov_rank=d.markov_rank,
             markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
-            sample_from_anchor=d.sample_from_anchor)
+            sample_from_anchor=d.sample_from_anchor, selector_rank=d.selector_rank, selector_top_k=d.selector_top_k)
         draft = DSparkModel.from_target(config, target)
         _init_draft(draft, recipe, target, cache)
         t2d = None
@@ -221,6 +226,9 @@ class BlockAlgorithm:
                 # where the drafter drafts over the whole vocabulary (the serving engines, eval.py --full-vocab).
                 with torch.no_grad():
                     draft.markov_head.markov_w2.weight[~t2d] = 0.0
+            if draft.candidate_selector is not None:  # likewise a candidate outside it: no transition rather than noise
+                with torch.no_grad():
+                    draft.candidate_selector.successor_codebook[~t2d] = 0.0
             # and it drafts among those tokens only: its head learned nothing outside them, and a head of 8192 rows
             # costs a sixth of 49,152 (saved with every checkpoint as token_map.pt; eval.py --full-vocab ignores it)
             draft.draft_vocab = t2d.nonzero().squeeze(1)
@@ -248,9 +256,9 @@ class BlockAlgorithm:
 
     @staticmethod
     def accumulate(totals: dict, out) -> None:
-        for name in ("loss_sum", "ce_sum", "l1_sum", "conf_sum", "tau_sum", "num_anchors"):
+        for name in ("loss_sum", "ce_sum", "l1_sum", "conf_sum", "tau_sum", "num_anchors", "selector_sum"):
             totals[name] = totals.get(name, 0.0) + float(torch.as_tensor(getattr(out, name)).detach())
-        for name in ("accept_sum", "accept_count", "top1_correct"):
+        for name in ("accept_sum", "accept_count", "top1_correct", "selector_top1"):
             value = getattr(out, name).detach().double().cpu()
             totals[name] = totals[name] + value if name in totals else value
 
@@ -258,14 +266,20 @@ class BlockAlgorithm:
     def summarize(totals: dict, dist, weight_total: float) -> dict:
         gamma = len(totals["accept_count"])
         flat = dist.sum(totals["loss_sum"], totals["ce_sum"], totals["l1_sum"], totals["conf_sum"],
-                        totals["tau_sum"], totals["num_anchors"], *totals["accept_sum"].tolist(),
-                        *totals["accept_count"].tolist(), *totals["top1_correct"].tolist())
-        loss, ce, l1, conf, tau, anchors = flat[:6]
-        accept, count, top1 = flat[6: 6 + gamma], flat[6 + gamma: 6 + 2 * gamma], flat[6 + 2 * gamma:]
-        return {"loss": loss / weight_total, "ce": ce / weight_total, "l1": l1 / weight_total,
-                "conf_bce": conf / weight_total, "tau": tau / max(anchors, 1.0),
-                "accept_rate": [a / max(c, 1.0) for a, c in zip(accept, count)],
-                "top1_acc": [t / max(c, 1.0) for t, c in zip(top1, count)]}
+                        totals["tau_sum"], totals["num_anchors"], totals["selector_sum"],
+                        *totals["accept_sum"].tolist(), *totals["accept_count"].tolist(),
+                        *totals["top1_correct"].tolist(), *totals["selector_top1"].tolist())
+        loss, ce, l1, conf, tau, anchors, selector = flat[:7]
+        accept, count = flat[7: 7 + gamma], flat[7 + gamma: 7 + 2 * gamma]
+        top1, selector_top1 = flat[7 + 2 * gamma: 7 + 3 * gamma], flat[7 + 3 * gamma:]
+        out = {"loss": loss / weight_total, "ce": ce / weight_total, "l1": l1 / weight_total,
+               "conf_bce": conf / weight_total, "tau": tau / max(anchors, 1.0),
+               "accept_rate": [a / max(c, 1.0) for a, c in zip(accept, count)],
+               "top1_acc": [t / max(c, 1.0) for t, c in zip(top1, count)]}
+        if selector:  # DFlash2: the selector's CE and how often its (teacher-forced) pick is the label
+            out.update(selector_ce=selector / weight_total,
+                       selector_acc=[t / max(c, 1.0) for t, c in zip(selector_top1, count)])
+        return out
 
 
 # --- Eagle3 -------------------------------------------------------------------------------------------------------
@@ -334,7 +348,8 @@ class Eagle3Algorithm:
         return {"loss": flat[0] / weight_total, "accept_rate": acc, "tau": tau}
 
 
-# How each drafter trains, keyed by the registry's architecture: DSpark and DFlash are one model, hence one algorithm.
+# How each drafter trains, keyed by the registry's architecture: DSpark, DFlash and DFlash2 are one model, hence one
+# algorithm.
 TRAINING_ALGORITHMS = {"Qwen3DSparkModel": BlockAlgorithm, "LlamaForCausalLMEagle3": Eagle3Algorithm}
 
 

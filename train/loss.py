@@ -21,7 +21,10 @@ the input's precision if that is higher):
 * L1  = sum w * ||p_draft - p_target||_1 (no 1/2: this is 2 * total variation);
 * BCE = sum w * BCEWithLogits(confidence_logit, c*), with c* = clamp(1 - 1/2 ||p_draft - p_target||_1, 0, 1)
   detached (the analytic acceptance probability of the prediction under a teacher-forced prefix);
-* loss_sum = ce_alpha * CE + l1_alpha * L1 + conf_alpha * BCE.
+* SEL = sum w * CE_K(selector scores over the draft's top-K candidates, the label's place) (DFlash2,
+  modeling/selector.py: the label put in place of the K-th candidate when absent; the candidates' unary score is
+  their log-probability, which gives the K-way softmax of the raw logits SGLang scores with);
+* loss_sum = ce_alpha * CE + l1_alpha * L1 + conf_alpha * BCE + selector_alpha * SEL.
 
 A term whose alpha is 0 adds nothing and costs as little as it can: with ``l1_alpha == conf_alpha == 0`` (DFlash)
 neither the target logits nor any probability tensor is computed, and ``confidence_logits`` is only called when
@@ -45,6 +48,7 @@ from torch.utils.checkpoint import checkpoint
 
 from modeling.cpu_linear import fast_linear
 from modeling.dspark import output_rows
+from modeling.selector import training_candidates
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20  # bytes of one fp32 [chunk, gamma, V] tensor (Eagle3: see eagle3_loss)
 
@@ -112,6 +116,8 @@ class BlockLossOut:
                    the valid prefix (NaN when not computed)
     num_anchors    scalar: anchors with >= 1 valid prediction
     top1_correct   [gamma]: valid predictions whose draft argmax equals the label
+    selector_sum   scalar: the weighted selector CE before selector_alpha (0 without one)
+    selector_top1  [gamma]: valid predictions whose selector pick (teacher-forced predecessor) equals the label
     """
 
     loss_sum: torch.Tensor
@@ -124,11 +130,27 @@ class BlockLossOut:
     tau_sum: torch.Tensor
     num_anchors: torch.Tensor
     top1_correct: torch.Tensor
+    selector_sum: torch.Tensor | None = None
+    selector_top1: torch.Tensor | None = None
+
+
+def _selector_term(model, h, logp, labels, prev_ids, valid, w, vocab_ids):
+    """(weighted K-way CE sum with grad, [gamma] picks equal to the label) of DFlash2's selector on one chunk."""
+    selector = model.candidate_selector
+    places, safe = logp.detach().topk(selector.top_k, dim=-1).indices, torch.where(valid, labels, 0)
+    candidates, target = training_candidates(places, safe)
+    scores = logp.gather(-1, candidates) + selector.transition(
+        h, prev_ids, candidates if vocab_ids is None else vocab_ids[candidates]).float()
+    nll = -torch.log_softmax(scores, dim=-1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        top1 = ((scores.argmax(-1) == target) & valid).sum(0)
+    return (w * torch.where(valid, nll, 0.0)).sum(), top1
 
 
 def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, conf_alpha, want_cstar,
-                 soft_ce_alpha=0.0, vocab_ids=None, target_labels=False):
-    """One chunk of anchors: returns (loss, ce, l1, conf, accept[gamma], tau, top1[gamma]); only loss has grad.
+                 soft_ce_alpha=0.0, vocab_ids=None, target_labels=False, selector_alpha=0.0):
+    """One chunk of anchors: returns (loss, ce, l1, conf, accept[gamma], tau, top1[gamma], sel, sel_top1[gamma]);
+    only loss has grad.
 
     Memory-sensitive: vocabulary-sized intermediates are dropped as soon as they are used. The statistics come last,
     under no_grad, so the checkpoint's early stop skips them when the backward recomputes this chunk.
@@ -143,13 +165,19 @@ def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, c
                 p_t = torch.softmax(_wide(head), dim=-1)
             del head
     # With neither CE nor L1 trained, p_draft only feeds the detached c*: no graph through the draft logits.
-    with torch.set_grad_enabled(torch.is_grad_enabled() and bool(ce_alpha or l1_alpha or soft_ce_alpha)):
+    with torch.set_grad_enabled(torch.is_grad_enabled() and bool(ce_alpha or l1_alpha or soft_ce_alpha
+                                                                   or selector_alpha)):
         logits = _wide(model.draft_logits(h, prev_ids, vocab_ids))  # [c, gamma, V]
         logp = torch.log_softmax(logits, dim=-1)
         del logits
     nll = -logp.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
     ce = (w * torch.where(valid, nll, 0.0)).sum()
     terms = [ce_alpha * ce] if ce_alpha else []
+    sel, sel_top1 = None, None
+    if getattr(model, "candidate_selector", None) is not None:
+        sel, sel_top1 = _selector_term(model, h, logp, labels, prev_ids, valid, w, vocab_ids)
+        if selector_alpha:
+            terms.append(selector_alpha * sel)
 
     l1 = cstar = bce = None
     if soft_ce_alpha:
@@ -190,7 +218,8 @@ def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, c
             accept, tau = ce.new_zeros(gamma), zero
         top1 = ((logp.argmax(-1) == labels) & valid).sum(0)
         return (loss, ce.detach(), zero if l1 is None else l1.detach(), zero if bce is None else bce.detach(),
-                accept, tau, top1)
+                accept, tau, top1, zero if sel is None else sel.detach(),
+                torch.zeros_like(top1) if sel_top1 is None else sel_top1)
 
 
 def block_loss(
@@ -212,6 +241,7 @@ def block_loss(
     soft_ce_alpha: float = 0.0,
     vocab_ids: torch.Tensor | None = None,
     target_labels: bool = False,
+    selector_alpha: float = 0.0,
 ) -> BlockLossOut:
     """DSpark/DFlash loss sums over N anchors of gamma predictions each.
 
@@ -231,7 +261,9 @@ def block_loss(
     vocab_ids     [V'] long: every softmax (draft and target) over these tokens only, renormalised there; labels are
                   then indices into vocab_ids (loss.vocab_size; the caller maps them and marks the rest invalid)
     target_labels  the CE label (and top-1 statistic) of each prediction is the target's argmax there, from
-                  ``lm_head(target_hidden)``, instead of ``labels`` (loss.ce_labels: target)
+                  ``lm_head(target_hidden)``, instead of ``labels`` (loss.ce_labels: target); the selector's too
+    selector_alpha  weight of DFlash2's selector CE (``model.candidate_selector``; its statistics are computed
+                  whenever the model has one)
     """
     if draft_hidden.dim() != 3:
         raise ValueError(f"draft_hidden must be [N, gamma, H], got {tuple(draft_hidden.shape)}")
@@ -244,8 +276,9 @@ def block_loss(
                          f"got {tuple(target_hidden.shape)}")
     if valid.dtype != torch.bool:
         raise ValueError(f"valid must be bool, got {valid.dtype}")
-    if min(ce_alpha, l1_alpha, conf_alpha) < 0:
-        raise ValueError(f"loss alphas must be >= 0, got ce={ce_alpha} l1={l1_alpha} conf={conf_alpha}")
+    if min(ce_alpha, l1_alpha, conf_alpha, selector_alpha) < 0:
+        raise ValueError(f"loss alphas must be >= 0, got ce={ce_alpha} l1={l1_alpha} conf={conf_alpha} "
+                         f"selector={selector_alpha}")
 
     device = draft_hidden.device
     want_cstar = bool(l1_alpha or conf_alpha) if accept_stats is None else bool(accept_stats or l1_alpha or conf_alpha)
@@ -275,16 +308,18 @@ def block_loss(
     ce_sum, l1_sum, conf_sum, tau_sum = zero, zero, zero, zero
     accept_sum = torch.zeros(gamma, dtype=torch.float32, device=device)
     top1 = torch.zeros(gamma, dtype=torch.long, device=device)
+    sel_sum, sel_top1 = zero, torch.zeros(gamma, dtype=torch.long, device=device)
     for s in range(0, m, chunk_size):
         e = min(m, s + chunk_size)
         args = (model, draft_hidden[s:e], target_hidden[s:e], labels[s:e], prev_ids[s:e], valid[s:e], w_all[s:e],
-                ce_alpha, l1_alpha, conf_alpha, want_cstar, soft_ce_alpha, vocab_ids, target_labels)
+                ce_alpha, l1_alpha, conf_alpha, want_cstar, soft_ce_alpha, vocab_ids, target_labels, selector_alpha)
         if ckpt:
             out = checkpoint(_block_chunk, *args, use_reentrant=False)
         else:
             out = _block_chunk(*args)
-        loss, ce, l1, conf, accept, tau, t1 = out
+        loss, ce, l1, conf, accept, tau, t1, sel, sel_t1 = out
         loss_sum = loss if loss_sum is None else loss_sum + loss
+        sel_sum, sel_top1 = sel_sum + sel, sel_top1 + sel_t1
         ce_sum, l1_sum, conf_sum, tau_sum = ce_sum + ce, l1_sum + l1, conf_sum + conf, tau_sum + tau
         accept_sum, top1 = accept_sum + accept, top1 + t1
 
@@ -299,6 +334,8 @@ def block_loss(
         tau_sum=tau_sum.float() if want_cstar else torch.full_like(tau_sum, float("nan")),
         num_anchors=num_anchors,
         top1_correct=top1,
+        selector_sum=sel_sum.float(),
+        selector_top1=sel_top1,
     )
 
 
