@@ -132,7 +132,8 @@ class CacheConfig:
     #: train.hidden_states online the train stage asks the engine for each micro-batch's states instead.
     backend: Literal["hf", "engine"] = "hf"
     #: engine backend: running vLLM servers started with data/engine_states.engine_server_args' flags (several = data
-    #: parallel over them); none = each rank starts its own (regen.engine_python, regen.server_args, regen.*_s).
+    #: parallel over them; regen.served_model names the model they serve); none = each rank starts its own
+    #: (regen.engine_python, regen.server_args, regen.*_s).
     server_urls: list[str] = field(default_factory=list)
     #: engine backend: the folder the servers write the states to (their connector's shared_storage_path) as this
     #: machine sees it; required with cache.server_urls, a scratch folder otherwise.
