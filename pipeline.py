@@ -18,6 +18,7 @@ This file sits on top of the import graph: core/ and modeling/ at the bottom, th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -192,7 +193,7 @@ def stage_pins(out: Path) -> list[bytes | None]:
             for name in stage.STAGE_DIRS for path in (out / name / stage.SETTINGS_NAME, out / name / stage.DONE_NAME)]
 
 
-def training_records(recipe, out: Path, tokenizer, target):
+def training_records(recipe, out: Path, tokenizer, target, dist=None):
     """What train and opd read: the cache stage's cache, or the regenerated records with the target computing the
     hidden states per step (train.hidden_states online)."""
     from data.capture import open_cache
@@ -200,7 +201,7 @@ def training_records(recipe, out: Path, tokenizer, target):
     from modeling.target import target_hidden_size
 
     if recipe.train.hidden_states == "online":
-        return OnlineRecords(recipe, out / "regen", tokenizer, target)
+        return OnlineRecords(recipe, out / "regen", tokenizer, target, dist, out / "train")
     return open_cache(recipe, out / "cache", target_hidden_size(recipe.target.name_or_path), tokenizer)
 
 
@@ -295,6 +296,12 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     if template is not None and not Path(template).expanduser().is_file():
         problems.append(f"target.chat_template: no file {template!r}: give a Jinja chat template file, or null for the "
                         f"tokenizer's own")
+    if "cache" in stages and recipe.cache.backend == "engine" and not recipe.cache.server_urls \
+            and not stage.is_done(out / "cache"):
+        problem = engine_python_problem("vllm", recipe.regen.engine_python,
+                                        "regen.engine_python (or $DRAFTSMITH_VLLM_PYTHON) to a python with vllm")
+        if problem:
+            problems.append(f"cache.backend engine (a vLLM server the cache stage starts): {problem}")
     missing_target = target_path_problem(recipe.target.name_or_path)
     if missing_target:
         return problems + [f"target.name_or_path: {missing_target}"]  # nothing below can read its config
@@ -407,13 +414,15 @@ def cache_disk_problem(recipe, stages: list[str], out: Path, hidden_size: int) -
 @dataclass
 class RunState:
     """What the stages of one run share: the recipe, --out, the ranks, the target's tokenizer, the target (loaded
-    on first need, once) and the eval's report (the run's last line quotes it)."""
+    on first need, once), what the cache and train stages need of it (`get_target_parts`: under cache.backend engine
+    only what the drafter reads of it) and the eval's report (the run's last line quotes it)."""
 
     recipe: object
     out: Path
     dist: object
     tokenizer: object
     get_target: Callable
+    get_target_parts: Callable
     eval_report: dict | None = None
 
 
@@ -460,7 +469,7 @@ def _cache_skip(recipe) -> str | None:
 def _cache_job(run: RunState):
     from data.capture import CacheJob
 
-    return CacheJob(run.recipe, run.out / "regen", run.out / "cache", run.dist, run.get_target, run.tokenizer)
+    return CacheJob(run.recipe, run.out / "regen", run.out / "cache", run.dist, run.get_target_parts, run.tokenizer)
 
 
 def _run_cache(job, run: RunState) -> None:
@@ -472,14 +481,20 @@ def _run_cache(job, run: RunState) -> None:
 def _train_job(run: RunState):
     from train.trainer import TrainJob
 
-    records = training_records(run.recipe, run.out, run.tokenizer, run.get_target)
-    return TrainJob(run.recipe, records, run.out / "train", run.dist, run.get_target)
+    records = training_records(run.recipe, run.out, run.tokenizer, run.get_target_parts, run.dist)
+    return TrainJob(run.recipe, records, run.out / "train", run.dist, run.get_target_parts)
+
+
+def _closing(records):
+    """Online hidden states from an engine hold its server: stopped however the stage ends."""
+    return contextlib.closing(records) if hasattr(records, "close") else contextlib.nullcontext()
 
 
 def _run_train(job, run: RunState) -> None:
     from train.trainer import run_train
 
-    run_train(job)
+    with _closing(job.cache):
+        run_train(job)
 
 
 def _opd_skip(recipe) -> str | None:
@@ -489,7 +504,7 @@ def _opd_skip(recipe) -> str | None:
 def _opd_job(run: RunState):
     from train.opd import OpdJob
 
-    records = training_records(run.recipe, run.out, run.tokenizer, run.get_target)
+    records = training_records(run.recipe, run.out, run.tokenizer, run.get_target, run.dist)
     return OpdJob(run.recipe, records, run.out / "train" / "final", run.out / "opd", run.dist, run.get_target,
                   run.tokenizer.eos_token_id)
 
@@ -497,7 +512,8 @@ def _opd_job(run: RunState):
 def _run_opd(job, run: RunState) -> None:
     from train.opd import run_opd
 
-    run_opd(job)
+    with _closing(job.records):
+        run_opd(job)
 
 
 def _eval_job(run: RunState) -> EvalStageJob:
@@ -552,18 +568,30 @@ STAGE_DIRS = {row.name: row.folder for row in STAGE_TABLE}  # each stage's folde
 
 
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
-    from modeling.target import load_target, load_tokenizer
+    from modeling.target import load_target, load_target_parts, load_tokenizer
 
     model = None
 
     def target():
         nonlocal model
-        if model is None:
+        if model is None or getattr(model, "draftsmith_fingerprint", None):  # the whole target, over its parts
             model = load_target(recipe.target.name_or_path, dist.device, recipe.target.dtype)
         return model
 
+    def target_parts():
+        """cache.backend engine: the engine computes the states, so the cache and train stages hold only what the
+        drafter reads of the target (embedding, final norm, lm_head, and the layers draft.init_layers copies)."""
+        nonlocal model
+        if recipe.cache.backend != "engine":
+            return target()
+        if model is None:
+            copied = recipe.draft.num_layers if recipe.draft.init_layers == "target" else 0
+            model = load_target_parts(recipe.target.name_or_path, dist.device, recipe.target.dtype,
+                                      last_layers=copied)
+        return model
+
     tokenizer = load_tokenizer(recipe.target.name_or_path, recipe.target.chat_template)
-    run = RunState(recipe, out, dist, tokenizer, target)
+    run = RunState(recipe, out, dist, tokenizer, target, target_parts)
     for row in (row for row in STAGE_TABLE if row.name in stages):
         start = time.perf_counter()
         why = row.skip(recipe)

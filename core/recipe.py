@@ -132,6 +132,17 @@ class CacheConfig:
     encoding: Literal["raw", "fp8"] = setting("fp8", "fp8 = e4m3 + a power-of-two scale per token and layer (H + 1 "
                                               "bytes a row, 0.501x bf16's 2H) | raw = the dtype's bytes")
     batch_size: int = setting(8, "conversations per target forward", bound=POSITIVE)
+    # engine: the training processes then load only the target's embedding, final norm and lm_head
+    # (modeling/target.load_target_parts); with train.hidden_states online the train stage asks the engine per
+    # micro-batch.
+    backend: Literal["hf", "engine"] = setting("hf", "where hidden states come from: hf = the target in-process (each "
+                                               "rank loads it whole) | engine = a vLLM server (extract_hidden_states; "
+                                               "data/engine_states.py)")
+    server_urls: list[str] = setting(doc="engine backend: running vLLM servers started with "
+                                     "data/engine_states.engine_server_args' flags (none: each rank starts its own)",
+                                     factory=list)
+    states_dir: Optional[str] = setting(None, "engine backend: the folder those servers' connector writes states to, "
+                                        "as this machine sees it (required with cache.server_urls)")
     records_per_shard: int = setting(1024, "conversations per shard file (the unit of resume and of work split "
                                      "across ranks)", bound=POSITIVE)
 
@@ -365,6 +376,7 @@ def shareable_recipe_dict(recipe: Recipe) -> dict:
     recipe.yaml and to the experiment trackers (a token in http://user:token@host must not travel with them)."""
     shared = recipe_to_dict(recipe)
     shared["regen"]["server_urls"] = [redact_url(url) for url in recipe.regen.server_urls]
+    shared["cache"]["server_urls"] = [redact_url(url) for url in recipe.cache.server_urls]
     return shared
 
 
@@ -510,12 +522,28 @@ def _check_values(recipe: Recipe) -> None:
         problems.append("regen.server_urls must list at least one URL when regen.backend is 'openai'")
     problems += [f"regen.server_urls[{i}]: {redact_url(url)!r} is not an http(s) URL; write it as http://host:port"
                  for i, url in enumerate(recipe.regen.server_urls) if not url.startswith(("http://", "https://"))]
+    problems += _cache_backend_problems(recipe)
     problems += _selector_problems(recipe)
     if not is_plain_name(recipe.name):
         problems.append(f"name {recipe.name!r} must be a plain name (no '/', not '.' or '..'): it names the run's "
                         f"folder runs/<name> and must stay inside runs/; use --out to write elsewhere")
     if problems:
         raise RecipeError(f"recipe '{recipe.name}' is invalid:\n  " + "\n  ".join(problems))
+
+
+def _cache_backend_problems(recipe: Recipe) -> list[str]:
+    cache = recipe.cache
+    problems = [f"cache.server_urls[{i}]: {redact_url(url)!r} is not an http(s) URL; write it as http://host:port"
+                for i, url in enumerate(cache.server_urls) if not url.startswith(("http://", "https://"))]
+    if cache.backend != "engine":
+        if cache.server_urls or cache.states_dir:
+            problems.append(f"cache.server_urls / cache.states_dir are read only under cache.backend: engine (this "
+                            f"recipe has cache.backend: {cache.backend}): set --set cache.backend=engine, or drop them")
+        return problems
+    if cache.server_urls and not cache.states_dir:
+        problems.append("cache.backend engine with cache.server_urls needs cache.states_dir: the folder those servers' "
+                        "connector writes the states to (their shared_storage_path), as this machine sees it")
+    return problems
 
 
 def _selector_problems(recipe: Recipe) -> list[str]:

@@ -9,6 +9,7 @@ finished cache is byte-identical to an uninterrupted one. See data/cache.py for 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -23,7 +24,9 @@ from data.cache import CacheSpec, TargetCache, bytes_per_token, format_bytes
 from data.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
 from data.regenerate import RECORDS_NAME, iter_records
-from modeling.target import capture_hidden_states, check_layer_ids, target_hidden_size, weights_fingerprint
+from data.engine_states import EngineStates
+from modeling.target import (backbone, capture_hidden_states, check_layer_ids, decoder_layers, target_hidden_size,
+                             weights_fingerprint)
 from modeling.vocab import count_tokens
 from core import stage
 from core.dist import Dist, fault_point
@@ -144,11 +147,12 @@ def capture_rows(model, rows: list[dict], layer_ids: list[int], dtype) -> list[t
             for i, r in enumerate(rows)]
 
 
-def _shard_records(model, rows: list[dict], first_id: int, layer_ids: list[int], batch_size: int, dtype, bar):
-    """Yield cache records for `rows` (record ids first_id, first_id+1, ...), `batch_size` conversations per forward."""
+def _shard_records(capture, rows: list[dict], first_id: int, batch_size: int, dtype, bar):
+    """Yield cache records for `rows` (record ids first_id, first_id+1, ...), `batch_size` conversations per
+    `capture(rows, dtype)` (one target forward, or one round of engine requests)."""
     for start in range(0, len(rows), batch_size):
         batch = rows[start: start + batch_size]
-        for i, (r, (hidden, last)) in enumerate(zip(batch, capture_rows(model, batch, layer_ids, dtype))):
+        for i, (r, (hidden, last)) in enumerate(zip(batch, capture(batch, dtype))):
             yield {
                 "record_id": first_id + start + i,
                 "input_ids": torch.tensor(r["input_ids"], dtype=torch.int32),
@@ -178,7 +182,8 @@ class CacheJob:
 
 
 def run_cache(job: CacheJob) -> dict:
-    """The `cache` stage. Returns the stats in DONE.json."""
+    """The `cache` stage; `job.get_target()` loads the target when needed (under cache.backend engine, the target
+    without its decoder layers: modeling/target.load_target_parts). Returns the stats in DONE.json."""
     recipe, regen_dir, out_dir, dist = job.recipe, job.regen_dir, Path(job.out_dir), job.dist
     get_model, tokenizer = job.get_target, job.tokenizer
     records_sha256 = regen_digest(regen_dir)
@@ -187,6 +192,10 @@ def run_cache(job: CacheJob) -> dict:
                 "data": {k: getattr(recipe.data, k) for k in ("max_length", "thinking", "min_loss_tokens")}}
     if spec.encoding == "raw":  # pinned as before cache.encoding existed: older runs' finished caches still skip
         del settings["spec"]["encoding"], settings["cache"]["encoding"]
+    # Where the servers are may change between a run and its resume; which backend computed the states may not (their
+    # numbers differ in the last bits). The default's settings stay as before the key existed.
+    for key in ("server_urls", "states_dir", *(("backend",) if recipe.cache.backend == "hf" else ())):
+        del settings["cache"][key]
     done = stage.start(out_dir, settings, "cache", dist.is_main, notes={"cache.encoding": ENCODING_NOTE})
     if done is not None:
         return done
@@ -214,29 +223,56 @@ def run_cache(job: CacheJob) -> dict:
     todo_tokens = sum(len(r["input_ids"]) for s in todo for r in rows[s * per_shard: (s + 1) * per_shard])
     dtype = getattr(torch, recipe.cache.dtype)
     start = time.perf_counter()
-    bar = tqdm(total=todo_tokens, desc=f"cache[rank {dist.rank}]", unit="tok", unit_scale=True,
-               position=dist.rank, disable=not todo)
-    for s in todo:
-        shard_rows = rows[s * per_shard: (s + 1) * per_shard]
-        records = _shard_records(model, shard_rows, s * per_shard, recipe.target.layer_ids,
-                                 recipe.cache.batch_size, dtype, bar)
-        writer.write_shard(s, _with_fault(records, s))
-    bar.close()
+    engine_info: dict = {}
+    with _capturer(recipe, model, dist, out_dir, bool(todo), engine_info) as (capture, per_round):
+        bar = tqdm(total=todo_tokens, desc=f"cache[rank {dist.rank}]", unit="tok", unit_scale=True,
+                   position=dist.rank, disable=not todo)
+        for s in todo:
+            shard_rows = rows[s * per_shard: (s + 1) * per_shard]
+            writer.write_shard(s, _with_fault(_shard_records(capture, shard_rows, s * per_shard, per_round, dtype,
+                                                             bar), s))
+        bar.close()
     elapsed = time.perf_counter() - start
     dist.wait()  # ranks finish their shards at different times: the long timeout, then the per-step collectives
     elapsed = dist.max(elapsed)
     done_tokens, = dist.sum(todo_tokens)
+    startup = dist.max(engine_info.get("server_startup_s", 0.0))
     dist.barrier()
     if dist.is_main:
         manifest = writer.finalize()
         stats = {"records": manifest["num_records"], "tokens": manifest["num_tokens"], "bytes_per_token": per_token,
                  "total_bytes": sum(s["num_bytes"] for s in manifest["shards"]), "dropped": dropped,
                  **stage.throughput(done_tokens, elapsed)}
+        if recipe.cache.backend == "engine":  # the seconds above include it, as the in-process ones its forwards'
+            stats["server_startup_s"] = startup
         stage.mark_done(out_dir, stats)
         print(f"[cache] {stats['records']} records, {stats['tokens']} tokens, {per_token} B/token, "
               f"{format_bytes(stats['total_bytes'])} on disk; {stage.throughput_line(stats)}", flush=True)
     dist.wait()  # rank 0 finalized the whole cache meanwhile
     return stage.read_done(out_dir)
+
+
+@contextlib.contextmanager
+def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool, info: dict):
+    """(capture(rows, dtype) -> [(hidden, last)], rows per call): the in-process target's forward (cache.batch_size
+    rows, padded), or a vLLM engine's (cache.backend engine; a shard's rows streamed in order, as many in flight as
+    regen.max_concurrency allows, the engine batching them itself; `info` gets its server's start-up seconds). The
+    engine's server, when the stage starts one, is stopped whatever happens."""
+    if recipe.cache.backend != "engine":
+        yield (lambda rows, dtype: capture_rows(model, rows, recipe.target.layer_ids, dtype)), recipe.cache.batch_size
+        return
+    if not needed:  # this rank has no shard left: no server started
+        yield None, 1
+        return
+    engine = EngineStates(recipe, dist, out_dir, backbone(model).norm, len(decoder_layers(model)))
+    if engine.server is not None:
+        info["server_startup_s"] = round(engine.server.startup_s, 2)
+    try:
+        dist.print(f"[cache] hidden states from the vLLM engine at {', '.join(engine.urls)} (cache.backend engine; "
+                   f"its layers {engine.aux_ids})")
+        yield engine.capture, recipe.cache.records_per_shard  # a shard's rows streamed (EngineStates.capture)
+    finally:
+        engine.close()
 
 
 def _with_fault(records, shard: int):

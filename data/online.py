@@ -20,10 +20,12 @@ from pathlib import Path
 
 import torch
 
+from core.dist import Dist
 from data.cache import as_stored
 from data.capture import (TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, cache_spec, capture_rows, loss_token_counts,
                           regen_digest, training_rows)
-from modeling.target import target_hidden_size, weights_fingerprint
+from data.engine_states import EngineStates
+from modeling.target import backbone, decoder_layers, target_hidden_size, weights_fingerprint
 
 
 class OnlineRecords:
@@ -31,10 +33,17 @@ class OnlineRecords:
 
     `[i]` gives a record's tokens only; `with_hidden(records)` adds their hidden states, one target forward per
     `cache.batch_size` records, right before the micro-batch's forward (so a step never holds more than one
-    micro-batch of states)."""
+    micro-batch of states).
 
-    def __init__(self, recipe, regen_dir: Path, tokenizer, get_model):
+    Under cache.backend engine the states come from a vLLM server instead (data/engine_states.py: the stage's own,
+    started on the first micro-batch and stopped by `close`, or cache.server_urls'), and `get_model` gives the target
+    without its decoder layers."""
+
+    def __init__(self, recipe, regen_dir: Path, tokenizer, get_model, dist: Dist | None = None,
+                 log_dir: Path | None = None):
         self.root = Path(regen_dir)
+        self.recipe, self.dist, self.log_dir = recipe, dist or Dist(), Path(log_dir or regen_dir)
+        self.engine: EngineStates | None = None
         records_sha256 = regen_digest(regen_dir)
         self.rows, dropped = training_rows(recipe, regen_dir, tokenizer)
         self.get_model = get_model
@@ -45,7 +54,8 @@ class OnlineRecords:
         # The manifest keys the Trainer and the families read: the data's identity (the train stage pins it, so a
         # resume that would round or encode the states otherwise is refused), Eagle3's token counts.
         identity = (f"online:{records_sha256}" + ("" if self.spec.encoding == "raw" else f":{self.spec.encoding}")
-                    + ("" if recipe.cache.dtype == "bfloat16" else f":{recipe.cache.dtype}"))
+                    + ("" if recipe.cache.dtype == "bfloat16" else f":{recipe.cache.dtype}")
+                    + (":engine" if recipe.cache.backend == "engine" else ""))
         self.manifest = {"index_sha256": identity, "num_records": len(self.rows),
                          "num_tokens": sum(len(r["input_ids"]) for r in self.rows),
                          "meta": {"regen_records_sha256": records_sha256, "dropped": dropped,
@@ -61,11 +71,26 @@ class OnlineRecords:
                 "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.uint8)}
 
     def with_hidden(self, records: list[dict]) -> list[dict]:
-        model = self.get_model()
+        capture = self._capture()
         out = []
         for start in range(0, len(records), self.batch_size):
             chunk = records[start: start + self.batch_size]
-            states = capture_rows(model, chunk, self.layer_ids, self.spec.torch_dtype)
+            states = capture(chunk, self.spec.torch_dtype)
             out += [{**r, "hidden_states": as_stored(hidden, self.spec),
                      "last_hidden_state": as_stored(last, self.spec)} for r, (hidden, last) in zip(chunk, states)]
         return out
+
+    def _capture(self):
+        model = self.get_model()
+        if self.recipe.cache.backend != "engine":
+            return lambda rows, dtype: capture_rows(model, rows, self.layer_ids, dtype)
+        if self.engine is None:
+            self.engine = EngineStates(self.recipe, self.dist, self.log_dir, backbone(model).norm,
+                                       len(decoder_layers(model)))
+        return self.engine.capture
+
+    def close(self) -> None:
+        """Stop the engine's server, if this started one (the in-process target needs nothing)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None

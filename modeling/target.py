@@ -12,6 +12,7 @@ final norm. This is the convention SGLang and vLLM configs use for `target_layer
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib.metadata
@@ -96,6 +97,68 @@ def load_target(name_or_path: str, device: torch.device | str = "cpu", dtype: st
     )
     model.to(device).eval().requires_grad_(False)
     cpu_linear.pack_linears(model)  # fp32 on a CPU: oneDNN products (MKL runs far below AMD CPUs' rate)
+    return model
+
+
+def checkpoint_tensors(folder: str) -> dict[str, str]:
+    """{tensor name: the .safetensors file holding it} of a local checkpoint (one file, or an index over several)."""
+    import json
+
+    folder_path = Path(folder)
+    index = folder_path / "model.safetensors.index.json"
+    if index.is_file():
+        return {name: str(folder_path / file) for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = folder_path / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder} holds no model.safetensors (or its index): the target must be a local "
+                                f"safetensors checkpoint to be loaded without its decoder layers")
+    from safetensors import safe_open
+
+    with safe_open(str(single), "pt") as f:
+        return {name: str(single) for name in f.keys()}
+
+
+def load_target_parts(name_or_path: str, device: torch.device | str = "cpu", dtype: str = "auto",
+                      last_layers: int = 0):
+    """The target as a trainer needs it when a serving engine computes its hidden states (cache.backend: engine):
+    the embedding, the final norm and the lm_head loaded, plus the `last_layers` last decoder layers (draft.init_layers
+    target copies them); every other decoder layer stays on the meta device, taking no memory. `weights_fingerprint`
+    of it equals the whole target's (read tensor by tensor from the checkpoint)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(device)
+    folder = resolve_target(name_or_path)
+    if not Path(folder).is_dir():
+        raise FileNotFoundError(f"target {name_or_path!r}: loading it without its decoder layers needs a local "
+                                f"checkpoint folder; download it first and give its path as target.name_or_path")
+    files = checkpoint_tensors(folder)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=target_dtype(dtype, device))
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
+    prefixes = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    embed_name = f"{prefixes[id(model.get_input_embeddings())]}.weight"
+    for module in (model.get_input_embeddings(), backbone(model).norm, model.get_output_embeddings(),
+                   *(decoder_layers(model)[len(decoder_layers(model)) - last_layers:] if last_layers else ())):
+        prefix = prefixes[id(module)]
+        module.to_empty(device=device)
+        for local, param in module.named_parameters():
+            name = f"{prefix}.{local}"
+            source = name if name in files else embed_name if tied and module is model.get_output_embeddings() else None
+            if source is None:
+                raise KeyError(f"{folder}: the checkpoint has no tensor {name}")
+            with safe_open(files[source], "pt", device="cpu") as f:
+                param.data.copy_(f.get_tensor(source))
+    if tied:
+        model.tie_weights()
+    model.eval().requires_grad_(False)
+    digest = hashlib.sha256()
+    with contextlib.ExitStack() as stack:
+        opened = {path: stack.enter_context(safe_open(path, "pt", device="cpu")) for path in set(files.values())}
+        for name, _ in model.named_parameters():  # the whole target's, as weights_fingerprint reads a loaded one
+            _fingerprint_update(digest, name, opened[files[name]].get_tensor(name))
+    model.draftsmith_fingerprint = digest.hexdigest()[:16]
     return model
 
 
@@ -192,19 +255,25 @@ def target_shape(name_or_path: str) -> dict | None:
             "dtype": None if dtype is None else str(dtype).removeprefix("torch.")}
 
 
-def weights_fingerprint(model, samples_per_tensor: int = 4096) -> str:
+def weights_fingerprint(model) -> str:
     """Short sha256 of the target's weights: every parameter's name, shape and an evenly spaced sample of its values,
     rounded to bf16 so that fp32, bf16 and fp16 loads of one checkpoint agree. It costs milliseconds at any size, and
     two checkpoints of one shape (a fine-tune, a retrained model at the same path) differ: hidden states, and drafters
     trained on them, belong to the weights, not to the target's name."""
+    if getattr(model, "draftsmith_fingerprint", None):  # load_target_parts: read from the checkpoint
+        return model.draftsmith_fingerprint
     digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            flat = param.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // samples_per_tensor)][:samples_per_tensor]
-            digest.update(f"{name}:{tuple(param.shape)}".encode())
-            digest.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
+    for name, param in model.named_parameters():
+        _fingerprint_update(digest, name, param)
     return digest.hexdigest()[:16]
+
+
+@torch.no_grad()
+def _fingerprint_update(digest, name: str, tensor: torch.Tensor, samples_per_tensor: int = 4096) -> None:
+    flat = tensor.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // samples_per_tensor)][:samples_per_tensor]
+    digest.update(f"{name}:{tuple(tensor.shape)}".encode())
+    digest.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
 
 
 def backbone(model) -> torch.nn.Module:
