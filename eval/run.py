@@ -289,7 +289,8 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
         report["token_map"]["tau_vs_served"] = report["token_map"]["accept_len"] / report["accept_len"]
     if "ngram" in by_name:
         ngram = {**base, "draft": "ngram", "draft_vocab_size": None,
-                 **arm_metrics(by_name["ngram"], gamma, plain, greedy)}
+                 **arm_metrics(by_name["ngram"], gamma, plain, greedy),
+                 "plain_repeat_spread": report["plain_repeat_spread"]}
         make_dir(out_dir / "ngram")
         atomic_write_json(out_dir / "ngram" / "report.json", ngram)  # eval.compare reads its copy-heavy prompts
         atomic_write_text(out_dir / "ngram" / "report.md", report_markdown(ngram))
