@@ -162,13 +162,15 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-generate", action="store_true",
                         help="also time plain HF generate (greedy, batch 1) on the same prompts and report the ratio")
     parser.add_argument("--ngram-baseline", action="store_true",
-                        help="also decode the same prompts with the n-gram drafter and report tau as a ratio of its")
+                        help="also decode the same prompts with the n-gram drafter (each prompt by every drafter back "
+                             "to back between two plain decodes of it) and report tau and speed as ratios of its")
     parser.add_argument("--any-target", action="store_true",
                         help="evaluate even when --target's weights are not the ones the draft was trained on "
                              "(measuring transfer); refused by default")
     parser.add_argument("--full-vocab", action="store_true",
-                        help="draft over the whole vocabulary although the draft folder has a token map (the tokens "
-                             "it was trained over, token_map.pt), as SGLang and vLLM serve it; --live always does")
+                        help="skip the pass with the draft folder's token map (token_map.pt, the tokens it was trained "
+                             "over). A draft with a map is reported as SGLang and vLLM serve it, over the whole "
+                             "vocabulary, with the map's figure beside it; this flag keeps the first only")
     parser.add_argument("--lookup-first", type=int, default=0, metavar="N",
                         help=f"propose prompt lookup's continuation whenever the context's last N (or more, up to "
                              f"{LOOKUP_MAX_N}) tokens occurred before, the draft's otherwise (a copy path measured "

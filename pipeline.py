@@ -605,5 +605,8 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
         ngram = report.get("ngram_baseline")
         versus = (f"; n-gram drafter {ngram['accept_len']:.3f} on the same prompts, {report['tau_vs_ngram']:.2f}x"
                   if ngram else "")
-        print(f"[draftsmith] done: accept length tau = {report['accept_len']:.3f} on {recipe.eval.dataset}"
-              f"{versus} ({out / 'eval' / 'report.json'})", flush=True)
+        mapped = report.get("token_map")
+        served = (f" as served, over the whole vocabulary ({mapped['accept_len']:.3f} with its "
+                  f"{mapped['draft_vocab_size']}-token map, which no engine reads)" if mapped else "")
+        print(f"[draftsmith] done: accept length tau = {report['accept_len']:.3f}{served} on "
+              f"{recipe.eval.dataset}{versus} ({out / 'eval' / 'report.json'})", flush=True)

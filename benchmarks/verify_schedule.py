@@ -9,7 +9,8 @@ head says, before the verify, how likely each draft is to survive; its scheduler
 eval/scheduler.py) verifies a draft only while the expected tokens pay for the longer verify. In one process, with
 one target and the same plain-loop baseline for every arm (T=0, exact match checked on every prompt):
   1. calibration: the draft at gamma = --gamma on --calibration-prompts (prompts it never trained on, not the eval
-     ones: quality.py writes its training sources' unseen prompts there), whose eval writes sts.json;
+     ones: quality.py writes its training sources' unseen prompts there), whose eval writes sts.json; the draft
+     drafts over the whole vocabulary throughout, as SGLang serves it (a token map is ignored);
   2. on --eval-prompts: the draft at each fixed gamma in --gammas and at --gamma; the confidence schedule, uncalibrated
      and with that sts.json; the n-gram drafter at the same fixed gammas (its best is the baseline to beat).
 Prints and writes OUT/verify_schedule.{json,md}: tau, drafts verified a round, ms a round, speedup over the plain loop.
@@ -108,13 +109,15 @@ def main(argv=None) -> int:
     calibration = run_eval(EvalSettings(
         draft=str(args.draft), target_name=TARGET, dataset=str(args.calibration_prompts),
         out_dir=args.out / "calibration", num_samples=args.num_calibration, temperature=0.0, block_size=args.gamma,
-        max_new_tokens=args.max_new_tokens, scheduler=False), target=target)
+        max_new_tokens=args.max_new_tokens, scheduler=False, full_vocab=True), target=target)
     if "calibration" not in calibration:
         parser.error(f"--draft {args.draft}: no confidence head, nothing to schedule with")
     sts = calibration["calibration"]["sts_path"]
     runs = []
     for name, drafter_name, gamma, policy, calibrated in arms(args.gamma, gammas):
-        drafter = make_drafter(str(args.draft) if drafter_name == "draft" else drafter_name, target, gamma)
+        # as the engines serve it: over the whole vocabulary, whatever token map the draft folder has
+        drafter = make_drafter(str(args.draft) if drafter_name == "draft" else drafter_name, target, gamma,
+                               full_vocab=True)
         schedule = None
         if policy != "fixed":
             arm_dir = args.out / name.replace(" ", "_").replace(",", "")

@@ -10,7 +10,8 @@ prompts. A curve point of quality.py is a tally with its `replayed_tau`.
     rows = source_rows(draft, ngram, [record_source(i) for i in ids], oracle=chooser)  # -> source_table(rows)
 
 Two eval reports of the same prompts (eval.py --out A, --out B; e.g. two recipes' drafts), the first over the second,
-made with the same target, temperature, token limit and gamma (PAIRED_SETTINGS; others are refused):
+made with the same target, temperature, token limit and gamma (PAIRED_SETTINGS; others are refused); the headlines
+(as served, over the whole vocabulary), then, where both drafts have a token map, their figures with it:
 
     python -m eval.compare runs/eval-a runs/eval-b
 """
@@ -165,6 +166,11 @@ def unpaired_setting(first: dict, second: dict, names: tuple[Path, Path]) -> str
         if first[key] != second[key]:
             return (f"{names[0]} has {key} {first[key]!r} and {names[1]} {second[key]!r}: tau depends on it, so the "
                     f"pair would compare the settings, not the drafters; rerun one with the other's {flag}")
+    vocab = [report.get("draft_vocab_size") for report in (first, second)]
+    if vocab[0] != vocab[1]:  # an eval from before the served number headlined a draft with its token map
+        return (f"{names[0]}'s headline drafted among {vocab[0] or 'all'} tokens and {names[1]}'s among "
+                f"{vocab[1] or 'all'}: rerun the eval whose headline used a token map (eval.py now headlines the "
+                f"whole vocabulary, as the engines serve it, with the map's figure beside it)")
     return None
 
 
@@ -194,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
                        lookup=tally(lookup["samples"]))
     print(f"{args.first} against {args.second}:\n")
     print("\n".join(source_table(rows, other=args.second.name)))
+    if all("samples" in report.get("token_map", {}) for report in (first, second)):
+        rows = source_rows(tally(first["token_map"]["samples"]), tally(second["token_map"]["samples"]),
+                           [s["source"] for s in first["samples"]], lookup=tally(lookup["samples"]))
+        print("\nWith their token maps (not served; the table above is the whole vocabulary, as served):\n")
+        print("\n".join(source_table(rows, other=args.second.name)))
     return 0
 
 

@@ -25,7 +25,8 @@ Written to DIR/report.json, DIR/report.md and DIR/accept_rate.png.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,12 +37,12 @@ from core.io import atomic_open, atomic_write_json, atomic_write_text, make_dir,
 from data.chat import build_messages, render_prompt_ids
 from data.prompts import DEFAULT_HOLDOUT_FRACTION, eval_prompts
 from eval import SCHEDULES
-from eval.compare import record_source, source_rows, source_table, tally
+from eval.arms import Arm, Decoding, PlainLoop, decode_interleaved, speed_by_source
+from eval.compare import source_rows, source_table, tally
 from eval.calibration import MIN_ROUNDS, calibrate_sts, calibration_report, logits_from_probs, prefix_labels
 from eval.scheduler import VerifySchedule, format_table, profile_sps, simulate
 from eval.lookup import LookupFirstDrafter, NgramDrafter
-from eval.spec_decode import (DraftLMDrafter, GenerationResult, is_greedy, load_draft, speculative_generate, sync_clock,
-                              target_generate)
+from eval.spec_decode import DraftLMDrafter, DSparkDrafter, GenerationResult, is_greedy, load_draft, sync_clock
 from export.serving import SPS_FILENAME, STS_FILENAME, SpsTable, load_sts, save_sts
 from modeling.registry import draft_digest
 from modeling.target import TargetRunner, chat_template_pin, load_target, load_tokenizer
@@ -115,6 +116,47 @@ def make_drafter(draft: str, target, gamma: int, any_target: bool = False, full_
     return load_draft(draft, target, any_target=any_target, full_vocab=full_vocab)
 
 
+def served_drafters(s: "EvalSettings", target):
+    """(the drafter as SGLang and vLLM serve it, the same draft with its token map or None): a block draft with a
+    token map (token_map.pt) drafts over the whole vocabulary in the engines, so that is the headline, and its map's
+    figure is measured beside it unless s.full_vocab. The two share the weights. Both wrapped in lookup-first when
+    s.lookup_first."""
+    drafter = make_drafter(s.draft, target, s.block_size or 7, s.any_target)
+    mapped = None
+    if isinstance(drafter, DSparkDrafter) and drafter.model.draft_vocab is not None:
+        mapped = None if s.full_vocab else drafter
+        drafter = DSparkDrafter(drafter.model, full_vocab=True)
+    if s.lookup_first:
+        drafter = LookupFirstDrafter(drafter, min_n=s.lookup_first)
+        mapped = None if mapped is None else LookupFirstDrafter(mapped, min_n=s.lookup_first)
+    return drafter, mapped
+
+
+def vocab_size(drafter) -> int | None:
+    """How many tokens `drafter` drafts among when that is a token map's (None: the whole vocabulary)."""
+    inner = getattr(drafter, "drafter", drafter)  # lookup-first wraps the draft
+    if not isinstance(inner, DSparkDrafter) or inner.full_vocab or inner.model.draft_vocab is None:
+        return None
+    return len(inner.model.draft_vocab)
+
+
+def arm_metrics(arm: Arm, gamma: int, plain: PlainLoop, greedy: bool) -> dict:
+    """One arm's tau and acceptance, exactness, speed over the plain loop's beside it (eval/arms.py), the time of
+    its rounds, and its samples."""
+    tokens = sum(x["tokens"] for x in arm.samples)
+    spec_rate = tokens / arm.decode_s if arm.decode_s else 0.0
+    return {
+        **acceptance_metrics(arm.rounds, gamma),
+        "exact_match": (sum(x["exact"] for x in arm.samples) / max(len(arm.samples), 1)) if greedy else None,
+        "spec_tokens_per_s": spec_rate, "target_tokens_per_s": plain.tokens_per_s,
+        # = speed_ratio(samples): the plain loop's totals are those of the arm's own samples
+        "speedup": spec_rate / plain.tokens_per_s if plain.tokens_per_s else 0.0,
+        "timing": round_timing(arm.rounds, gamma, spec_decode_s=arm.decode_s - arm.prefill_s, spec_tokens=tokens,
+                               target_decode_s=plain.decode_s - plain.prefill_s, target_tokens=plain.tokens),
+        "samples": arm.samples,
+    }
+
+
 @dataclass(frozen=True)
 class EvalSettings:
     """One eval: which drafter, on which target and prompts, how it decodes and what it adds to the report.
@@ -128,8 +170,9 @@ class EvalSettings:
     ngram_baseline: also run the free n-gram drafter on the same prompts (report `ngram_baseline`, `tau_vs_ngram`): a
     trained drafter that accepts less than it is not worth serving.
     any_target: accept a target whose weights differ from the draft's own (see modeling.registry).
-    full_vocab: draft over the whole vocabulary although the draft folder has a token map (report `draft_vocab_size`:
-    the tokens drafted among, None for all).
+    full_vocab: skip the pass with a draft folder's token map (token_map.pt): the headline drafts over the whole
+    vocabulary either way, as the engines serve it (report `draft_vocab_size`: the tokens the headline drafted among,
+    None for all; `token_map`: the pass with the map, when run).
     verify_schedule: `fixed` verifies every draft (gamma a round); `confidence` verifies the drafts DSpark's scheduler
     admits each round (eval/scheduler.py VerifySchedule), from the confidence head calibrated with `sts_path` (an
     sts.json written by an eval on other prompts; None: uncalibrated) and this machine's verify cost, profiled
@@ -171,9 +214,15 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
     """Speculative decoding with `settings.draft` on the prompts, against the target's own decoding; the report, also
     written to DIR/report.json, report.md and accept_rate.png (DIR = settings.out_dir).
 
+    The headline is the draft as SGLang and vLLM serve it: a block draft with a token map (token_map.pt) drafts over
+    the whole vocabulary there, so its tau, speed and calibration are measured so, and its figures with the map go
+    beside them (report `token_map`; skipped with full_vocab). With ngram_baseline the n-gram drafter decodes the
+    prompts too. Every prompt is decoded by each of them back to back between two plain decodes of it (eval/arms.py):
+    each speed is a ratio over the plain loop's in the same minutes.
+
     target: the target model `settings.target_name` names, when the caller already holds it (the eval stage does).
-    baselines: a dict shared by several calls in one process (one per drafter, same target and prompts): each prompt's
-    baseline decodes are run once, by the first call, and reused."""
+    baselines: a dict shared by several calls in one process (same target and prompts): HF generate's decodes
+    (hf_generate) are run once, by the first call, and reused."""
     s = settings
     if s.verify_schedule not in SCHEDULES:
         raise ScheduleError(f"unknown verify schedule {s.verify_schedule!r}; known: {', '.join(SCHEDULES)}")
@@ -186,84 +235,78 @@ def run_eval(settings: EvalSettings, *, target=None, baselines: dict | None = No
     if target is None:
         target = load_target(s.target_name, s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tokenizer = load_tokenizer(s.target_name, s.chat_template)
-    drafter = make_drafter(s.draft, target, s.block_size or 7, s.any_target, s.full_vocab)
-    if s.lookup_first:
-        drafter = LookupFirstDrafter(drafter, min_n=s.lookup_first)
+    drafter, mapped = served_drafters(s, target)
     gamma = s.block_size or drafter.default_gamma
     schedule = None
     if s.verify_schedule == "confidence":
         schedule, schedule_report = loop_schedule(target, drafter, gamma, s.sts_path, out_dir)
-    draft_vocab = getattr(getattr(drafter, "model", None), "draft_vocab", None)
+    arms = [Arm("served", drafter, schedule)]
+    if mapped is not None:
+        arms.append(Arm("token_map", mapped, schedule))
+    if s.ngram_baseline and s.draft != "ngram":
+        # the same prompts and decoding, gamma included, with the free n-gram drafter and nothing else
+        arms.append(Arm("ngram", NgramDrafter(gamma=gamma)))
     prompts = eval_prompts(s.dataset, s.num_samples, s.seed, path=s.dataset_path, holdout_fraction=s.holdout_fraction)
     greedy = is_greedy(s.temperature)
 
     hf_generate = s.hf_generate and greedy
     baselines = {} if baselines is None else baselines
-    samples, rounds = [], []
-    spec_time = target_time = spec_tokens = target_tokens = hf_time = hf_tokens = 0.0
-    spec_prefill = target_prefill = 0.0
-    copied_rounds = 0
+    plain = PlainLoop()
+    hf_time = hf_tokens = 0.0
     for i, prompt in enumerate(tqdm(prompts, desc=f"eval {s.dataset}", unit="prompt")):
         ids = first_turn_ids(tokenizer, prompt, s.system_prompt, s.enable_thinking)
-        key = (prompt.id, s.max_new_tokens, s.temperature, s.seed + i)
-        if key not in baselines or (hf_generate and baselines[key][1] is None):
-            reference = target_generate(target, ids, s.max_new_tokens, s.temperature, tokenizer.eos_token_id,
-                                        seed=s.seed + i)
-            baselines[key] = (reference, hf_generate_result(target, tokenizer, ids, s.max_new_tokens)
-                              if hf_generate else None)
-        reference, plain = baselines[key]
-        result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=s.max_new_tokens,
-                                      temperature=s.temperature, eos_token_id=tokenizer.eos_token_id, seed=s.seed + i,
-                                      schedule=schedule)
-        target_time += reference.wall_s
-        target_prefill += reference.prefill_s
-        target_tokens += len(reference.ids)
-        spec_time += result.wall_s
-        spec_prefill += result.prefill_s
-        spec_tokens += len(result.ids)
-        rounds += result.rounds
-        copied_rounds += getattr(drafter, "copied_rounds", 0)
-        samples.append({"id": prompt.id, "source": record_source(prompt.id), "accept_len": result.accept_len,
-                        "tokens": len(result.ids), "exact": result.ids == reference.ids,
-                        # tau = round_tokens / rounds: a paired bootstrap resamples them (eval/compare.py)
-                        "round_tokens": sum(r.accepted + 1 for r in result.rounds), "rounds": len(result.rounds)})
-        if plain is not None:
-            hf_time += plain.wall_s
-            hf_tokens += len(plain.ids)
-            samples[-1]["hf_generate_exact"] = plain.ids == reference.ids
+        how = Decoding(gamma, s.max_new_tokens, s.temperature, tokenizer.eos_token_id, seed=s.seed + i)
+        reference = decode_interleaved(target, arms, prompt, ids, i, how, plain=plain)
+        if hf_generate:
+            key = (prompt.id, s.max_new_tokens)
+            if key not in baselines:
+                baselines[key] = hf_generate_result(target, tokenizer, ids, s.max_new_tokens)
+            hf_time += baselines[key].wall_s
+            hf_tokens += len(baselines[key].ids)
+            arms[0].samples[-1]["hf_generate_exact"] = baselines[key].ids == reference.ids
 
+    served = arms[0]
+    rounds, samples = served.rounds, served.samples
+    base = {"draft": s.draft, "target": s.target_name, "dataset": s.dataset, "temperature": s.temperature,
+            "num_samples": len(samples), "block_size": gamma, "max_new_tokens": s.max_new_tokens}
     report = {
-        "draft": s.draft, "target": s.target_name, "dataset": s.dataset, "temperature": s.temperature,
-        "num_samples": len(samples), "block_size": gamma, "max_new_tokens": s.max_new_tokens,
-        "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
-        **({"lookup_first": s.lookup_first, "copied_round_share": copied_rounds / max(len(rounds), 1)}
+        **base, "draft_vocab_size": vocab_size(drafter),
+        **({"lookup_first": s.lookup_first, "copied_round_share": served.copied_rounds / max(len(rounds), 1)}
            if s.lookup_first else {}),
-        **acceptance_metrics(rounds, gamma),
-        "exact_match": (sum(x["exact"] for x in samples) / max(len(samples), 1)) if greedy else None,
-        "spec_tokens_per_s": spec_tokens / spec_time if spec_time else 0.0,
-        "target_tokens_per_s": target_tokens / target_time if target_time else 0.0,
-        "samples": samples,
+        **arm_metrics(served, gamma, plain, greedy),
+        "plain_repeat_spread": statistics.median(plain.spreads) if plain.spreads else 0.0,
     }
-    report["speedup"] = (report["spec_tokens_per_s"] / report["target_tokens_per_s"]
-                         if report["target_tokens_per_s"] else 0.0)
     if schedule is not None:
         report["verify_schedule"] = schedule_report
-    report["timing"] = round_timing(rounds, gamma, spec_decode_s=spec_time - spec_prefill, spec_tokens=spec_tokens,
-                                    target_decode_s=target_time - target_prefill, target_tokens=target_tokens)
     if hf_generate:
         report["hf_generate_tokens_per_s"] = hf_tokens / hf_time if hf_time else 0.0
         report["speedup_vs_generate"] = (report["spec_tokens_per_s"] / report["hf_generate_tokens_per_s"]
                                          if report["hf_generate_tokens_per_s"] else 0.0)
         report["hf_generate_match"] = sum(x["hf_generate_exact"] for x in samples) / max(len(samples), 1)
-    if s.ngram_baseline and s.draft != "ngram":
-        # the same prompts and decoding, gamma included, with the free n-gram drafter and nothing else
-        ngram = run_eval(replace(s, draft="ngram", out_dir=out_dir / "ngram", block_size=gamma, device=None,
-                                 scheduler=False, hf_generate=False, ngram_baseline=False, any_target=False,
-                                 full_vocab=False, verify_schedule="fixed", sts_path=None, lookup_first=0),
-                         target=target, baselines=baselines)
-        report["ngram_baseline"] = {key: ngram[key] for key in ("accept_len", "accept_rate_at_k", "speedup")}
+    by_name = {arm.name: arm for arm in arms}
+    if "token_map" in by_name:
+        report["token_map"] = {"draft_vocab_size": vocab_size(mapped),
+                               **arm_metrics(by_name["token_map"], gamma, plain, greedy)}
+        report["token_map"]["tau_vs_served"] = report["token_map"]["accept_len"] / report["accept_len"]
+    if "ngram" in by_name:
+        ngram = {**base, "draft": "ngram", "draft_vocab_size": None,
+                 **arm_metrics(by_name["ngram"], gamma, plain, greedy),
+                 "plain_repeat_spread": report["plain_repeat_spread"]}
+        make_dir(out_dir / "ngram")
+        atomic_write_json(out_dir / "ngram" / "report.json", ngram)  # eval.compare reads its copy-heavy prompts
+        atomic_write_text(out_dir / "ngram" / "report.md", report_markdown(ngram))
+        report["ngram_baseline"] = {key: ngram[key] for key in ("accept_len", "accept_rate_at_k", "verify_rate",
+                                                                  "exact_match", "spec_tokens_per_s",
+                                                                  "target_tokens_per_s", "speedup", "timing")}
         report["tau_vs_ngram"] = report["accept_len"] / ngram["accept_len"]
+        report["speed_vs_ngram"] = report["speedup"] / ngram["speedup"] if ngram["speedup"] else 0.0
         report["vs_ngram"] = vs_ngram(samples, ngram["samples"], s.temperature)
+        if "token_map" in report:
+            report["token_map"]["tau_vs_ngram"] = report["token_map"]["accept_len"] / ngram["accept_len"]
+            report["token_map"]["vs_ngram"] = vs_ngram(report["token_map"]["samples"], ngram["samples"],
+                                                       s.temperature)
+    # in drafter_rows' order: served, token map, n-gram
+    report["speed_by_source"] = speed_by_source([arm.samples for arm in arms])
     # Calibration reads every position's confidences: a scheduled run verified only the drafts it was confident in.
     if rounds and rounds[0].confidences is not None and schedule is None and not s.lookup_first:
         if len(rounds) < MIN_ROUNDS:  # a short eval still gets its report, with what it could not measure
@@ -405,11 +448,14 @@ def report_markdown(report: dict) -> str:
     lines = [f"# Speculative decoding: {report['dataset']}", "",
              f"draft `{report['draft']}`, target `{report['target']}`, T={report['temperature']}, "
              f"gamma={report['block_size']}, {report['num_samples']} prompts", "",
-             "| dataset | tau | exact match | spec tok/s | target tok/s | speedup | verify rate |",
+             "| drafter | tau | exact match | spec tok/s | target tok/s | speedup | verify rate |",
              "|---|---|---|---|---|---|---|",
-             f"| {report['dataset']} | {report['accept_len']:.3f} | {report['exact_match']} | "
-             f"{report['spec_tokens_per_s']:.1f} | {report['target_tokens_per_s']:.1f} | {report['speedup']:.2f}x | "
-             f"{report['verify_rate']:.3f} |", "",
+             *[f"| {name} | {arm['accept_len']:.3f} | {arm['exact_match']} | {arm['spec_tokens_per_s']:.1f} | "
+               f"{arm['target_tokens_per_s']:.1f} | {arm['speedup']:.2f}x | {arm['verify_rate']:.3f} |"
+               for name, arm in drafter_rows(report)], "",
+             "Each prompt was decoded by every drafter above back to back between two plain decodes of it: each "
+             "speedup is over the plain loop's tokens/s in the same minutes (a prompt's two plain decodes differ by "
+             f"{report.get('plain_repeat_spread', 0.0):.1%}, median).", "",
              "| position | " + " | ".join(str(i + 1) for i in range(k)) + " |",
              "|---|" + "---|" * k,
              "| accept rate (prefix) | " + " | ".join(f"{v:.3f}" for v in report["accept_rate_at_k"]) + " |",
@@ -433,13 +479,29 @@ def report_markdown(report: dict) -> str:
         lines += ["", f"Plain HF `generate` (greedy, batch 1) on the same prompts: {report['hf_generate_tokens_per_s']:.1f} "
                       f"tok/s; speculative decoding is {report['speedup_vs_generate']:.2f}x of it; its output equals the "
                       f"target loop's on {report['hf_generate_match']:.0%} of prompts."]
+    if "token_map" in report:
+        mapped = report["token_map"]
+        lines += ["", f"Served as SGLang and vLLM serve it, over the whole vocabulary: tau {report['accept_len']:.3f}, "
+                      f"speedup {report['speedup']:.2f}x (the headline). With its {mapped['draft_vocab_size']}-token "
+                      f"map (token_map.pt, which no engine reads): tau {mapped['accept_len']:.3f} "
+                      f"({mapped['tau_vs_served']:.3f}x), speedup {mapped['speedup']:.2f}x."]
     if "ngram_baseline" in report:
         ngram = report["ngram_baseline"]
         lines += ["", f"The n-gram drafter on the same prompts: tau {ngram['accept_len']:.3f}, speedup "
-                      f"{ngram['speedup']:.2f}x; this draft's tau is {report['tau_vs_ngram']:.2f}x of it."]
+                      f"{ngram['speedup']:.2f}x; this draft's tau is {report['tau_vs_ngram']:.2f}x of it, its speed "
+                      f"{report['speed_vs_ngram']:.2f}x."]
     if "vs_ngram" in report:
         lines += ["", f"## Against the n-gram drafter per source (T={report['vs_ngram']['temperature']})", "",
                   *source_table(report["vs_ngram"]["rows"])]
+        if "vs_ngram" in report.get("token_map", {}):
+            lines += ["", "With its token map (not served) against the n-gram drafter, per source:", "",
+                      *source_table(report["token_map"]["vs_ngram"]["rows"])]
+    if "speed_by_source" in report:
+        names = [name for name, _ in drafter_rows(report)]
+        lines += ["", "## Decode speed over the plain loop per source (each beside the plain decodes of its prompts)",
+                  "", "| prompts | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+                  *[f"| {group} | " + " | ".join(f"{v:.2f}x" for v in speeds) + " |"
+                    for group, speeds in report["speed_by_source"].items()]]
     if "calibration" in report:
         cal = report["calibration"]
         lines += ["", "## Calibration (cumulative confidence vs prefix acceptance)", "",
@@ -454,6 +516,17 @@ def report_markdown(report: dict) -> str:
     if "scheduler" in report:
         lines += ["", "## Confidence scheduler vs fixed gamma (Theta = tau x SPS(B))", "", report["scheduler"]["table"]]
     return "\n".join(lines) + "\n"
+
+
+def drafter_rows(report: dict) -> list[tuple[str, dict]]:
+    """(name, figures) of each drafter a report measured, the headline first."""
+    served = "served (full vocabulary)" if "token_map" in report else "draft"
+    rows = [(served, report)]
+    if "token_map" in report:
+        rows.append((f"with its {report['token_map']['draft_vocab_size']}-token map", report["token_map"]))
+    if "ngram_baseline" in report:
+        rows.append(("n-gram", report["ngram_baseline"]))
+    return rows
 
 
 def _fmt(value) -> str:
@@ -494,7 +567,8 @@ def plot_acceptance(report: dict, path: Path) -> None:
 
 
 def print_summary(report: dict) -> None:
-    print(f"[eval] {report['dataset']}: tau {report['accept_len']:.3f}, exact_match {report['exact_match']}, "
+    served = " (served: full vocabulary)" if "token_map" in report else ""
+    print(f"[eval] {report['dataset']}: tau {report['accept_len']:.3f}{served}, exact_match {report['exact_match']}, "
           f"speedup {report['speedup']:.2f}x ({report['spec_tokens_per_s']:.1f} vs "
           f"{report['target_tokens_per_s']:.1f} tok/s"
           + (f"; {report['speedup_vs_generate']:.2f}x of HF generate's {report['hf_generate_tokens_per_s']:.1f}"
@@ -502,8 +576,10 @@ def print_summary(report: dict) -> None:
           + ", ".join(f"{v:.2f}" for v in report["accept_rate_at_k"])
           + (f"; {report['mean_verified_drafts']:.2f} drafts verified a round "
              f"({report['verify_schedule']['policy']} schedule)" if "verify_schedule" in report else "")
-          + (f"; n-gram drafter tau {report['ngram_baseline']['accept_len']:.3f} ({report['tau_vs_ngram']:.2f}x)"
-             if "ngram_baseline" in report else "")
+          + (f"; with its {m['draft_vocab_size']}-token map (not served) tau {m['accept_len']:.3f}, speedup "
+             f"{m['speedup']:.2f}x" if (m := report.get("token_map")) else "")
+          + (f"; n-gram drafter tau {report['ngram_baseline']['accept_len']:.3f} ({report['tau_vs_ngram']:.2f}x), "
+             f"speedup {report['ngram_baseline']['speedup']:.2f}x" if "ngram_baseline" in report else "")
           + (f"; a round: draft {t['draft_ms']:.1f} + verify {t['verify_ms']:.1f} + other {t['other_ms']:.1f} ms, "
              f"{t['loop_efficiency']:.0%} of this tau's limit {t['tau_limit_speedup']:.2f}x"
              if (t := report.get("timing")) else ""), flush=True)

@@ -149,13 +149,16 @@ class DSparkDrafter(Drafter):
 
     A draft with a drafting vocabulary (`model.draft_vocab`, token_map.pt) scores those rows of lm_head and the
     Markov head only, as one packed matrix built per generation (the weights may change between generations: OPD).
+    full_vocab=True drafts over the whole vocabulary whatever the map, as SGLang and vLLM serve it (two drafters may
+    share one model, one with its map and one without: eval/run.py served_drafters).
     """
 
-    def __init__(self, model: DSparkModel, use_cache: bool = True):
+    def __init__(self, model: DSparkModel, use_cache: bool = True, full_vocab: bool = False):
         self.model = model.eval()
         self.layer_ids = list(model.config.target_layer_ids)
         self.default_gamma = model.block_size
         self.use_cache = use_cache
+        self.full_vocab = full_vocab
 
     @torch.no_grad()
     def reset(self, tokens, target_hidden):
@@ -164,7 +167,7 @@ class DSparkDrafter(Drafter):
         self.context = ContextCache()
         # per generation: the weights cannot change within one
         model = self.model
-        self.vocab = vocab = model.draft_vocab  # with the head rows below
+        self.vocab = vocab = None if self.full_vocab else model.draft_vocab  # with the head rows below
         self.head = model.lm_head
         self.w2 = None if model.markov_head is None else model.markov_head.markov_w2.weight
         if vocab is not None:

@@ -222,3 +222,24 @@ def test_malformed_or_sample_less_report_is_refused_naming_the_file(tmp_path, ca
     for argv in ((first, bad), (bad, first)):
         err = _refusal(capsys, *argv)
         assert f"{bad / 'report.json'}" in err and fragment in err, err
+
+
+def test_headlines_pair_as_served_and_token_maps_beside_them(tmp_path, capsys, drill):
+    """Reports of drafts with token maps headline the whole vocabulary (as served) and carry the map's samples: the
+    headlines are paired, then the maps. A report from before, whose headline drafted with its map, is refused
+    beside one that drafted over the whole vocabulary."""
+    from eval.compare import main
+
+    drill("bad-input", "eval.compare of a token-map headline against a served one")
+    mapped = {"samples": [{"id": f"heldout:{s}:{i}", "source": s, "round_tokens": 10, "rounds": 10}
+                          for i, s in enumerate(SOURCES)]}
+    first = _report(tmp_path / "a", DRAFT, draft_vocab_size=None, token_map=mapped)
+    _report(first / "ngram", NGRAM)
+    second = _report(tmp_path / "b", NGRAM, draft_vocab_size=None, token_map=mapped)
+    assert main([str(first), str(second)]) == 0
+    out = capsys.readouterr().out
+    served, maps = out.split("With their token maps")
+    assert "| all | 5 | 1.773 | 2.309 |" in served and "| all | 5 | 1.000 | 1.000 | 1.000" in maps
+    old = _report(tmp_path / "old", DRAFT, draft_vocab_size=8192)
+    err = _refusal(capsys, first, old)
+    assert "headline drafted among all tokens" in err and "among 8192" in err and "rerun" in err
