@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,35 +219,41 @@ def run_stage(name: str, out: Path, extra: list[str], nproc: int, log: Path) -> 
     return {"wall_s": round(wall, 1), "stage_s": float(found[-1]) if found else None, **peaks}
 
 
-def rehearse(count: int, run: Path, target: str, url: str, layers: int, args, engine=None,
+def rehearse(count: int, run: Path, target: str, url: str, layers: int, args, names=STAGES, engine=None,
              regen_from: Path | None = None) -> dict:
-    """One prompt count through the three stages in `run`. `regen_from`: a run of the same target and count whose
-    regeneration is copied here instead of run again (the cache backend does not change it)."""
+    """One prompt count through the stages `names` in `run`; each stage's figures are kept in run/stages.json as it
+    ends, and a stage found there is not run again (a rerun picks up where one stopped). `regen_from`: a run of the
+    same target and count whose regeneration is copied here instead of run again (the cache backend does not change
+    it). Returns the count's result once the train stage is measured, else None."""
     run.mkdir(parents=True, exist_ok=True)
     prompt_file = args.out / f"prompts-n{count}.jsonl"  # one file a count: the copied regeneration's settings match
     if not prompt_file.is_file():
         write_prompts(prompt_file, int(count * 1.1) + 16)  # 5% held out, and room to spare
     extra = overrides(target, prompt_file, count, url, layers, args, engine)
     log = run / "log.txt"
-    stages = {}
-    if regen_from is not None:
+    stages = measured_stages(run)
+    if regen_from is not None and "regenerate" not in stages:
         shutil.copytree(regen_from / "run" / "regen", run / "run" / "regen", dirs_exist_ok=True)
-        stages["regenerate"] = {**regen_from_result(regen_from), "copied_from": str(regen_from)}
-    for name in STAGES:
+        stages["regenerate"] = {**measured_stages(regen_from)["regenerate"], "copied_from": str(regen_from)}
+    for name in names:
         if name in stages:
+            print(f"[scale] N={count} {name}: measured before, {run / 'stages.json'}", flush=True)
             continue
         stages[name] = result = run_stage(name, run / "run", extra, args.nproc, log)
         result["s_per_10k"] = round(result["stage_s"] / count * 10_000, 2) if result["stage_s"] else None
         print(f"[scale] N={count} {name}: {result}", flush=True)
-    stages["train"]["steps_s"] = train_steps_s(run / "run")
+        if name == "train":
+            result["steps_s"] = train_steps_s(run / "run")
+        atomic_write_json(run / "stages.json", stages)
+    if "train" not in stages:
+        return None
     done = json.loads((run / "run" / "regen" / "DONE.json").read_text())
-    result = {"prompts": count, "records": done.get("records"), "stages": stages}
-    atomic_write_json(run / "result.json", result)
-    return result
+    return {"prompts": count, "records": done.get("records"), "stages": stages}
 
 
-def regen_from_result(run: Path) -> dict:
-    return json.loads((run / "result.json").read_text())["stages"]["regenerate"]
+def measured_stages(run: Path) -> dict:
+    path = run / "stages.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 # all the cores (vLLM keeps one back by default: half of 2), and a small KV cache: the default's share of the machine's
@@ -282,7 +289,7 @@ class EngineServer:
         peaks = self.memory.finish()
         self.live.stop()
         return {"startup_s": self.startup_s, "peak_mb_processes_summed": peaks["peak_mb_sum_ranks"],
-                "processes": peaks["ranks_seen"]}
+                "processes": peaks["ranks_seen"], "url": self.url, "states_dir": str(self.states_dir)}
 
 
 def train_steps_s(run: Path) -> float:
@@ -399,16 +406,32 @@ def main(argv=None) -> int:
                                      num_layers=layers, head_dim=args.head_dim)
             first: dict[int, Path] = {}
             for backend in args.cache_backend:
-                engine = EngineServer(target, layers, args.out) if backend == "engine" else None
+                folder = (args.out / f"{layers}l{suffix}-{backend}" if len(args.cache_backend) > 1
+                          or len(args.layers) > 1 else args.out)
+                runs_here = [(count, folder / f"n{count}") for count in args.prompts]
+                served = None
+                if backend == "engine":
+                    # the server runs for the cache stages only: the train stage is measured without it beside
+                    # (on 2 cores and 23 GB its ~4.7 GB beside 4 training ranks ran the machine out of memory)
+                    pending = [(c, r) for c, r in runs_here if "cache" not in measured_stages(r)]
+                    if pending:
+                        engine = EngineServer(target, layers, args.out)
+                        try:
+                            for count, run in pending:
+                                rehearse(count, run, target, url, layers, args, STAGES[:2], engine, first.get(count))
+                        finally:
+                            served = engine.close()
+                        atomic_write_json(folder / "server.json", served)
+                    elif (folder / "server.json").is_file():
+                        served = json.loads((folder / "server.json").read_text())
+                # the train stage reads the cache only; the same cache.* settings the cache stage pinned
+                engine_sets = (SimpleNamespace(url=served["url"], states_dir=served["states_dir"])
+                               if backend == "engine" else None)
                 results = []
-                try:
-                    for count in args.prompts:
-                        run = (args.out / f"{layers}l{suffix}-{backend}" if len(args.cache_backend) > 1
-                               or len(args.layers) > 1 else args.out) / f"n{count}"
-                        results.append(rehearse(count, run, target, url, layers, args, engine, first.get(count)))
-                        first.setdefault(count, run)
-                finally:
-                    served = engine.close() if engine is not None else None
+                for count, run in runs_here:
+                    results.append(rehearse(count, run, target, url, layers, args, STAGES, engine_sets,
+                                            first.get(count)))
+                    first.setdefault(count, run)
                 runs.append({"layers": layers, "backend": backend, "results": results, "server": served,
                              "table": table(results) if len(results) == 2 else None})
                 print(f"[scale] {layers} layers, {backend}: server {served}", flush=True)
