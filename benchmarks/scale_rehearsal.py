@@ -169,11 +169,20 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def _descendants(pid: int) -> list[int]:
+    found = []
+    for child in _children(pid):
+        found += [child, *_descendants(child)]
+    return found
+
+
 class RankMemory:
     """Polls the ranks (the launcher's children) every `period` s: each one's peak RSS (VmHWM, read until it exits)
     and the largest sum of their current RSS seen at one poll."""
 
     def __init__(self, launcher: int, period: float = 0.2, with_launcher: bool = False):
+        """with_launcher: the launcher and all its descendants (a vLLM server's engine core and its worker), not
+        only its children (torchrun's ranks)."""
         self.launcher, self.period, self.with_launcher = launcher, period, with_launcher
         self.hwm_kb: dict[int, int] = {}
         self.rss_sum_kb = 0
@@ -184,7 +193,8 @@ class RankMemory:
     def _poll(self):
         while not self.stop.is_set():
             now = 0
-            for pid in [self.launcher] * self.with_launcher + _children(self.launcher):
+            pids = [self.launcher, *_descendants(self.launcher)] if self.with_launcher else _children(self.launcher)
+            for pid in pids:
                 hwm, rss = _status_kb(pid, "VmHWM"), _status_kb(pid, "VmRSS")
                 if hwm is not None:
                     self.hwm_kb[pid] = max(self.hwm_kb.get(pid, 0), hwm)
