@@ -13,8 +13,10 @@ that holds the whole dataset at once shows a memory ratio above 1 and a time rat
 With --cache-backend engine the cache stage gets its states from one vLLM server per target, started here with
 data/engine_states.engine_server_args' flags and shared by the ranks (cache.server_urls + cache.states_dir: one
 server fits 2 cores where one a rank does not), and the train stage loads only the target's embedding, final norm and
-lm_head; the server's own peak RSS is recorded beside the ranks'. With several backends the regeneration of a target
-runs once and its records are copied to the other backends' runs.
+lm_head. The server is up for the cache stages only (beside 4 training ranks on 23 GB it ran the machine low), and
+its processes' peak RSS is recorded beside the ranks'. vLLM's CPU attention needs heads 32 wide or more: --head-dim 32.
+With several backends the regeneration of a target runs once and its records are copied to the other backends' runs.
+Each stage's figures land in RUN/stages.json as it ends; a rerun into the same --out measures only what is missing.
 
 The answers come from a fake OpenAI-compatible server started here (TEST/BENCH-ONLY: a threaded http.server that
 answers every /v1/chat/completions request at once with a short answer made from a hash of the conversation; it
