@@ -284,10 +284,14 @@ def make_tiny_target(
     num_layers: int = 4,
     seed: int = 0,
     dtype: str = "float32",
+    *,
+    head_dim: int = 16,
 ) -> str:
     """Save a tiny random causal LM of `architecture` (one of TINY_ARCHITECTURES), built from transformers' own
     config class, plus a tokenizer, to ``save_dir``; return the path. ``dtype`` is the one its weights and config are
     in (bfloat16: a real checkpoint's, which the GPU serve commands run as they are).
+    ``head_dim`` is the attention heads' size (not MLA's or linear attention's): vLLM's CPU attention serves only 32 and
+    up (16 is refused at the first request: "Unsupported CPU attention configuration: head_dim=16").
 
     Every architecture has the real Qwen3 vocabulary layout (embedding padded to 151936) and its special ids, so
     token ids behave as in a real Qwen3 target whatever the architecture. Weights depend only on the architecture,
@@ -299,14 +303,15 @@ def make_tiny_target(
     """
     import transformers
 
-    configs = _tiny_configs(hidden_size, num_layers)
+    configs = _tiny_configs(hidden_size, num_layers, head_dim=head_dim)
     if architecture not in configs:
         raise ValueError(f"unknown tiny architecture {architecture!r}; one of {', '.join(configs)}")
     config_class, model_class, keywords = configs[architecture]
     path = Path(save_dir)
     settings = {"architecture": model_class, "hidden_size": hidden_size, "num_layers": num_layers, "seed": seed,
                 "vocab_size": QWEN3_VOCAB_SIZE,
-                **({"dtype": dtype} if dtype != "float32" else {})}  # float32 checkpoints written before keep matching
+                **({"dtype": dtype} if dtype != "float32" else {}),  # float32 checkpoints written before keep matching
+                **({"head_dim": head_dim} if head_dim != 16 else {})}
 
     def check_existing() -> bool:
         marker = path / _TINY_MARKER
@@ -352,7 +357,9 @@ def make_tiny_qwen3(
     num_layers: int = 6,
     seed: int = 0,
     dtype: str = "float32",
+    *,
+    head_dim: int = 16,
 ) -> str:
     """A tiny random ``Qwen3ForCausalLM`` (:func:`make_tiny_target`'s qwen3: tied embeddings, 4 query heads / 2 KV
-    heads of size 16) plus a tokenizer in ``save_dir``; returns the path."""
-    return make_tiny_target(save_dir, "qwen3", tokenizer, hidden_size, num_layers, seed, dtype)
+    heads of size `head_dim`, 16 unless asked) plus a tokenizer in ``save_dir``; returns the path."""
+    return make_tiny_target(save_dir, "qwen3", tokenizer, hidden_size, num_layers, seed, dtype, head_dim=head_dim)

@@ -232,3 +232,18 @@ def test_a_target_layer_the_drafter_cannot_start_from_is_refused_naming_the_fix(
     for drafter in drafters(target).values():
         with pytest.raises(ValueError, match=rf"{lacks}.*set draft.init_layers=random"):
             drafter.model.init_from_target(target, layers="target")
+
+
+def test_a_tiny_target_with_heads_vllm_on_cpu_serves(tmp_path):
+    """head_dim: vLLM's CPU attention refuses the default 16-wide heads, so the engine-fed rehearsal asks for 32; the
+    default's checkpoints keep their settings (no head_dim key), and a folder made with other heads is refused."""
+    tokenizer = build_qwen3_tokenizer()
+    wide = make_tiny_target(tmp_path / "wide", "qwen3", tokenizer=tokenizer, num_layers=1, head_dim=32)
+    model = load_target(wide, dtype="float32")
+    assert model.config.head_dim == 32
+    assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 32
+    default = make_tiny_target(tmp_path / "default", "qwen3", tokenizer=tokenizer, num_layers=1)
+    assert "head_dim" not in json.loads((tmp_path / "default" / "draftsmith_tiny_model.json").read_text())
+    assert load_target(default, dtype="float32").config.head_dim == 16
+    with pytest.raises(ValueError, match="head_dim"):
+        make_tiny_target(tmp_path / "wide", "qwen3", tokenizer=tokenizer, num_layers=1)
