@@ -164,6 +164,9 @@ def markdown(result: dict) -> str:
                           "longer accepted proposal of the two, replayed):", ""]
             lines += [f"- {line}" for line in ngram_ratios(curves, result["ngram"])]
             lines += ["", *source_tables(result.get("vs_ngram", {}))]
+            lines += family_source_tables(curves, result["ngram"], result.get("records", []))
+        if position_acceptance(curves):
+            lines += ["Acceptance at each draft position, final drafts (replayed):", "", *position_acceptance(curves)]
         copying = {f: points[-1] for f, points in curves.items() if "lookup_hit_share" in points[-1]}
         if copying:  # (results saved before this was measured lack it)
             share = next(iter(copying.values()))["lookup_hit_share"]
@@ -209,6 +212,34 @@ def family_ratios(curves: dict) -> list[str]:
             p, q = curves["dspark"][-1], curves[other][-1]
             lines.append(f"dspark / {other}: {format_ratio(*paired_ratio(p, q))} (final drafts: {p['step']} / "
                          f"{q['step']} steps, {p['minutes']:.1f} / {q['minutes']:.1f} training min)")
+    return lines
+
+
+def family_source_tables(curves: dict, ngram: dict, records: list[dict]) -> list[str]:
+    """Each other family's final draft over DSpark's, replayed on the same held-out records, per source and for the
+    copy-heavy prompts (prompt lookup's own tau > 2.5) and the rest, with paired intervals (eval/compare.py)."""
+    if "dspark" not in curves or "per_record_rounds" not in curves["dspark"][-1]:
+        return []
+    sources, lines = [r["source"] for r in records], []
+    for other in (f for f in curves if f != "dspark" and "per_record_rounds" in curves[f][-1]):
+        rows = source_rows(curves[other][-1], curves["dspark"][-1], sources, lookup=ngram)
+        lines += [f"{other} over dspark, final drafts per source (replayed, T=0):", "",
+                  *source_table(rows, other="dspark"), ""]
+    return lines
+
+
+def position_acceptance(curves: dict) -> list[str]:
+    """The final drafts' conditional acceptance at each draft position k (accepted at k given accepted up to k-1) and
+    the unconditional rate, replayed; a markdown table (curves saved before these were kept are left out)."""
+    finals = {name: points[-1] for name, points in curves.items() if "cond_accept_rate_at_k" in points[-1]}
+    if not finals:
+        return []
+    k = len(next(iter(finals.values()))["cond_accept_rate_at_k"])
+    lines = ["| final draft | steps | " + " | ".join(f"cond@{i + 1}" for i in range(k))
+             + " | acc@1 | acc@2 | acc@3 |", "|---|---|" + "---|" * (k + 3)]
+    for name, p in finals.items():
+        lines.append(f"| {name} | {p['step']} | " + " | ".join(f"{v:.3f}" for v in p["cond_accept_rate_at_k"])
+                     + " | " + " | ".join(f"{v:.3f}" for v in p["accept_rate_at_k"][:3]) + " |")
     return lines
 
 
@@ -289,6 +320,10 @@ def main() -> int:
                         help="stop after the learning curves (OUT/curves.json, with prompt lookup replayed on the "
                              "same prompts): no real loop, no HF generate; for comparing training arms at equal "
                              "steps (the loop adds ~11 min on 2 CPU cores)")
+    parser.add_argument("--full-vocab", action="store_true",
+                        help="replay and run every block draft over the whole vocabulary, as the engines draft, "
+                             "although it trained over loss.vocab_size's tokens (its token map ignored; eval.py "
+                             "--full-vocab)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override for every family's training, e.g. --set train.lr=2e-3")
     parser.add_argument("--arm", dest="arms", action="append", default=[], type=parse_arm,
@@ -374,7 +409,7 @@ def main() -> int:
         if saved_curve.is_file() and not any((run / "train" / "checkpoints").glob("step-*")):
             curves[name] = json.loads(saved_curve.read_text())
         else:
-            curves[name] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id)
+            curves[name] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id, args.full_vocab)
             saved_curve.write_text(json.dumps(curves[name], indent=1) + "\n")
         saved_split = run / "generalization.json"
         if not saved_split.is_file():
@@ -386,7 +421,8 @@ def main() -> int:
             last = curves[name][-1]
             if last["step"] == steps:  # the curve's last checkpoint is the final draft: its replay is already done
                 del caches["held-out sources"]
-            split = generalization(run / "train" / "final", caches, num_eval, 7, args.max_new_tokens, eos_token_id)
+            split = generalization(run / "train" / "final", caches, num_eval, 7, args.max_new_tokens, eos_token_id,
+                                   args.full_vocab)
             split.setdefault("held-out sources", last["replayed_tau"])
             saved_split.write_text(json.dumps(split) + "\n")
         # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
@@ -402,7 +438,8 @@ def main() -> int:
     ngram = ngram_replay(eval_cache, args.max_new_tokens, eos_token_id)
     replayed = replayed_vs_ngram(curves, ngram, records)
     if args.curve_only:
-        (out / "curves.json").write_text(json.dumps({"data_s": data_s, "trained": trained, "curves": curves,
+        (out / "curves.json").write_text(json.dumps({"data_s": data_s, "full_vocab": args.full_vocab,
+                                                     "trained": trained, "curves": curves,
                                                      "ngram": ngram, "records": records, "vs_ngram": replayed},
                                                     indent=1) + "\n")
         print(f"[quality] {end_to_end(data_s, trained)}")
@@ -412,7 +449,8 @@ def main() -> int:
                 f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
         for line in family_ratios(curves) + arm_ratios(curves, arm_pairs) + ngram_ratios(curves, ngram):
             print(f"[quality] {line}")
-        print("\n".join(["", *source_tables(replayed)]))
+        print("\n".join(["", *source_tables(replayed), *family_source_tables(curves, ngram, records),
+                         "Acceptance at each draft position, final drafts (replayed):", "", *position_acceptance(curves)]))
         return 0
 
     # --- 4. the real loop on the held-out prompts, baselines in the same process ------------------------------------
@@ -427,7 +465,8 @@ def main() -> int:
         report = run_eval(EvalSettings(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
                                        out_dir=out / "eval" / name, num_samples=0, temperature=temperature,
                                        block_size=7, max_new_tokens=args.max_new_tokens, scheduler=False,
-                                       hf_generate=True, lookup_first=n), target=target, baselines=baselines)
+                                       hf_generate=True, lookup_first=n, full_vocab=args.full_vocab),
+                           target=target, baselines=baselines)
         drafters[name] = {**trained.get(name, {}), "report": {k: v for k, v in report.items() if k != "samples"}}
         samples[name] = report["samples"]
         print(f"[quality] {name}: tau {report['accept_len']:.3f}, speedup {report['speedup']:.2f}x"
