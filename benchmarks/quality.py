@@ -36,7 +36,10 @@ the same data and steps and prints its held-out tau over the recipe's at every c
 --arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5); an arm that sets a cache.* key caches the shared
 regeneration again in its own folder, e.g. --arm raw:cache.encoding=raw (raw states against the fp8 cache). The
 helpers the benchmark scripts share (the pipeline in a child process, the data, the replays) live in
-benchmarks/harness.py.
+benchmarks/harness.py. --full-vocab replays and runs the block drafts over the whole vocabulary (their loss.vocab_size
+token map ignored), as the serving engines draft; with DSpark among the families each other family's final draft is
+also tabled over DSpark's per source and copy-heavy / rest, beside every final draft's conditional acceptance at each
+draft position.
 """
 
 from __future__ import annotations
@@ -218,8 +221,8 @@ def family_ratios(curves: dict) -> list[str]:
 def family_source_tables(curves: dict, ngram: dict, records: list[dict]) -> list[str]:
     """Each other family's final draft over DSpark's, replayed on the same held-out records, per source and for the
     copy-heavy prompts (prompt lookup's own tau > 2.5) and the rest, with paired intervals (eval/compare.py)."""
-    if "dspark" not in curves or "per_record_rounds" not in curves["dspark"][-1]:
-        return []
+    if not records or "dspark" not in curves or "per_record_rounds" not in curves["dspark"][-1]:
+        return []  # (results saved before the records were kept)
     sources, lines = [r["source"] for r in records], []
     for other in (f for f in curves if f != "dspark" and "per_record_rounds" in curves[f][-1]):
         rows = source_rows(curves[other][-1], curves["dspark"][-1], sources, lookup=ngram)
@@ -304,7 +307,7 @@ def main() -> int:
     parser.add_argument("--regen-backend", choices=("hf", "vllm"), default="hf",
                         help="who answers the training prompts: hf (in-process, default) or vllm (a vLLM server on "
                              "every core, ~3x the tokens a second once started; needs .venv-vllm, `make venv-vllm`)")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (dspark,dflash,eagle3)")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (dspark,dflash,dflash2,eagle3)")
     parser.add_argument("--nproc", type=int, default=2, help="training ranks (2)")
     parser.add_argument("--curve-points", type=int, default=5, help="checkpoints replayed for the curve (5)")
     parser.add_argument("--report-only", action="store_true",
