@@ -200,11 +200,14 @@ def eval_records(eval_run: Path) -> list[dict]:
     return [{"id": row["id"], "source": record_source(row["id"])} for row in rows]
 
 
-def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id) -> list[dict]:
+def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id,
+                   full_vocab: bool = False) -> list[dict]:
     """Replayed held-out tau of every checkpoint (its weight average where train.ema_decay kept one: the weights
     train/final holds), against the training minutes spent to reach it, with the tallies
     behind it and behind the per-round oracle chooser between the checkpoint and prompt lookup (`oracle`) and the
-    lookup-first rule (`lookup_first`, eval/replay.py): the paired intervals and per-source tables of eval/compare.py read them."""
+    lookup-first rule (`lookup_first`, eval/replay.py): the paired intervals and per-source tables of eval/compare.py read them.
+    Each point keeps the acceptance at each draft position too (accept_rate_at_k, cond_accept_rate_at_k).
+    full_vocab: draft over the whole vocabulary although the draft has a token map (replay_model)."""
     from eval.replay import replay_records
     from modeling.registry import load_draft_model
     from train.checkpoint import AVERAGE_NAME, published_weights
@@ -221,17 +224,27 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
         model = load_draft_model(ckpt / "draft")
         if (ckpt / AVERAGE_NAME).is_file():  # train.ema_decay: the weights train/final, eval and export read
             model.load_state_dict(published_weights(ckpt))
-        model = model.float()
+        model = replay_model(model, full_vocab)
         replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
         copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
                                           "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds",
-                                          "oracle", "lookup_first")}
+                                          "oracle", "lookup_first", "accept_rate_at_k", "cond_accept_rate_at_k")}
         points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"], **copying})
         print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}; first "
               f"draft right at {copying['first_draft_right_at_lookup_hits']:.3f} of the positions prompt lookup gets "
               f"right ({copying['lookup_hit_share']:.0%} of them), {copying['first_draft_right_elsewhere']:.3f} "
               "elsewhere", flush=True)
     return points
+
+
+def replay_model(model, full_vocab: bool):
+    """A loaded draft made ready to replay, in fp32; full_vocab: a block draft trained over loss.vocab_size drafts over
+    the whole vocabulary anyway (its token map dropped), as the serving engines draft and eval.py --full-vocab does."""
+    from modeling.dspark import DSparkModel
+
+    if full_vocab and isinstance(model, DSparkModel):
+        model.draft_vocab = None
+    return model.float()
 
 
 def ngram_replay(eval_cache, max_new_tokens: int, eos_token_id) -> dict:
@@ -246,11 +259,12 @@ def ngram_replay(eval_cache, max_new_tokens: int, eos_token_id) -> dict:
             "per_record_rounds": replay["per_record_rounds"]}
 
 
-def generalization(final: Path, caches: dict, count: int, gamma: int, max_new_tokens: int, eos_token_id) -> dict:
+def generalization(final: Path, caches: dict, count: int, gamma: int, max_new_tokens: int, eos_token_id,
+                   full_vocab: bool = False) -> dict:
     """Replayed tau of the final draft on the first `count` records of each cache (name -> cache)."""
     from eval.replay import replay_records
     from modeling.registry import load_draft_model
 
-    model = load_draft_model(final).float()
+    model = replay_model(load_draft_model(final), full_vocab)
     return {name: replay_records(model, [cache[i] for i in range(min(count, len(cache)))], gamma, max_new_tokens,
                                  eos_token_id)["accept_len"] for name, cache in caches.items()}

@@ -36,7 +36,10 @@ the same data and steps and prints its held-out tau over the recipe's at every c
 --arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5); an arm that sets a cache.* key caches the shared
 regeneration again in its own folder, e.g. --arm raw:cache.encoding=raw (raw states against the fp8 cache). The
 helpers the benchmark scripts share (the pipeline in a child process, the data, the replays) live in
-benchmarks/harness.py.
+benchmarks/harness.py. --full-vocab replays and runs the block drafts over the whole vocabulary (their loss.vocab_size
+token map ignored), as the serving engines draft; with DSpark among the families each other family's final draft is
+also tabled over DSpark's per source and copy-heavy / rest, beside every final draft's conditional acceptance at each
+draft position.
 """
 
 from __future__ import annotations
@@ -164,6 +167,9 @@ def markdown(result: dict) -> str:
                           "longer accepted proposal of the two, replayed):", ""]
             lines += [f"- {line}" for line in ngram_ratios(curves, result["ngram"])]
             lines += ["", *source_tables(result.get("vs_ngram", {}))]
+            lines += family_source_tables(curves, result["ngram"], result.get("records", []))
+        if position_acceptance(curves):
+            lines += ["Acceptance at each draft position, final drafts (replayed):", "", *position_acceptance(curves)]
         copying = {f: points[-1] for f, points in curves.items() if "lookup_hit_share" in points[-1]}
         if copying:  # (results saved before this was measured lack it)
             share = next(iter(copying.values()))["lookup_hit_share"]
@@ -209,6 +215,34 @@ def family_ratios(curves: dict) -> list[str]:
             p, q = curves["dspark"][-1], curves[other][-1]
             lines.append(f"dspark / {other}: {format_ratio(*paired_ratio(p, q))} (final drafts: {p['step']} / "
                          f"{q['step']} steps, {p['minutes']:.1f} / {q['minutes']:.1f} training min)")
+    return lines
+
+
+def family_source_tables(curves: dict, ngram: dict, records: list[dict]) -> list[str]:
+    """Each other family's final draft over DSpark's, replayed on the same held-out records, per source and for the
+    copy-heavy prompts (prompt lookup's own tau > 2.5) and the rest, with paired intervals (eval/compare.py)."""
+    if not records or "dspark" not in curves or "per_record_rounds" not in curves["dspark"][-1]:
+        return []  # (results saved before the records were kept)
+    sources, lines = [r["source"] for r in records], []
+    for other in (f for f in curves if f != "dspark" and "per_record_rounds" in curves[f][-1]):
+        rows = source_rows(curves[other][-1], curves["dspark"][-1], sources, lookup=ngram)
+        lines += [f"{other} over dspark, final drafts per source (replayed, T=0):", "",
+                  *source_table(rows, other="dspark"), ""]
+    return lines
+
+
+def position_acceptance(curves: dict) -> list[str]:
+    """The final drafts' conditional acceptance at each draft position k (accepted at k given accepted up to k-1) and
+    the unconditional rate, replayed; a markdown table (curves saved before these were kept are left out)."""
+    finals = {name: points[-1] for name, points in curves.items() if "cond_accept_rate_at_k" in points[-1]}
+    if not finals:
+        return []
+    k = len(next(iter(finals.values()))["cond_accept_rate_at_k"])
+    lines = ["| final draft | steps | " + " | ".join(f"cond@{i + 1}" for i in range(k))
+             + " | acc@1 | acc@2 | acc@3 |", "|---|---|" + "---|" * (k + 3)]
+    for name, p in finals.items():
+        lines.append(f"| {name} | {p['step']} | " + " | ".join(f"{v:.3f}" for v in p["cond_accept_rate_at_k"])
+                     + " | " + " | ".join(f"{v:.3f}" for v in p["accept_rate_at_k"][:3]) + " |")
     return lines
 
 
@@ -273,7 +307,7 @@ def main() -> int:
     parser.add_argument("--regen-backend", choices=("hf", "vllm"), default="hf",
                         help="who answers the training prompts: hf (in-process, default) or vllm (a vLLM server on "
                              "every core, ~3x the tokens a second once started; needs .venv-vllm, `make venv-vllm`)")
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (dspark,dflash,eagle3)")
+    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (dspark,dflash,dflash2,eagle3)")
     parser.add_argument("--nproc", type=int, default=2, help="training ranks (2)")
     parser.add_argument("--curve-points", type=int, default=5, help="checkpoints replayed for the curve (5)")
     parser.add_argument("--report-only", action="store_true",
@@ -289,6 +323,13 @@ def main() -> int:
                         help="stop after the learning curves (OUT/curves.json, with prompt lookup replayed on the "
                              "same prompts): no real loop, no HF generate; for comparing training arms at equal "
                              "steps (the loop adds ~11 min on 2 CPU cores)")
+    parser.add_argument("--skip-split", action="store_true",
+                        help="skip replaying each final draft on its training records and unseen prompts of its "
+                             "sources (the memorisation / domain-shift split: two more replays a family)")
+    parser.add_argument("--full-vocab", action="store_true",
+                        help="replay and run every block draft over the whole vocabulary, as the engines draft, "
+                             "although it trained over loss.vocab_size's tokens (its token map ignored; eval.py "
+                             "--full-vocab)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="recipe override for every family's training, e.g. --set train.lr=2e-3")
     parser.add_argument("--arm", dest="arms", action="append", default=[], type=parse_arm,
@@ -374,10 +415,10 @@ def main() -> int:
         if saved_curve.is_file() and not any((run / "train" / "checkpoints").glob("step-*")):
             curves[name] = json.loads(saved_curve.read_text())
         else:
-            curves[name] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id)
+            curves[name] = learning_curve(run, eval_cache, 7, args.max_new_tokens, eos_token_id, args.full_vocab)
             saved_curve.write_text(json.dumps(curves[name], indent=1) + "\n")
         saved_split = run / "generalization.json"
-        if not saved_split.is_file():
+        if not saved_split.is_file() and not args.skip_split:
             recipe_obj = load_recipe(recipe, args.overrides)
             hidden = target_hidden_size(recipe_obj.target.name_or_path)
             caches = {"training records": open_cache(recipe_obj, data_run / "cache", hidden, tokenizer),
@@ -386,12 +427,15 @@ def main() -> int:
             last = curves[name][-1]
             if last["step"] == steps:  # the curve's last checkpoint is the final draft: its replay is already done
                 del caches["held-out sources"]
-            split = generalization(run / "train" / "final", caches, num_eval, 7, args.max_new_tokens, eos_token_id)
+            split = generalization(run / "train" / "final", caches, num_eval, 7, args.max_new_tokens, eos_token_id,
+                                   args.full_vocab)
             split.setdefault("held-out sources", last["replayed_tau"])
             saved_split.write_text(json.dumps(split) + "\n")
         # train_s: the steps' own seconds (the curve's clock), also right when a finished folder was skipped
         trained[name] = {"steps": steps, "train_s": curves[name][-1]["minutes"] * 60, "wall_s": wall_s,
-                         "probe_s_per_step": per_step, "generalization": json.loads(saved_split.read_text())}
+                         "probe_s_per_step": per_step}
+        if saved_split.is_file():
+            trained[name]["generalization"] = json.loads(saved_split.read_text())
         if arm_sets:
             trained[name]["overrides"] = arm_sets[1::2]
         for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
@@ -402,17 +446,20 @@ def main() -> int:
     ngram = ngram_replay(eval_cache, args.max_new_tokens, eos_token_id)
     replayed = replayed_vs_ngram(curves, ngram, records)
     if args.curve_only:
-        (out / "curves.json").write_text(json.dumps({"data_s": data_s, "trained": trained, "curves": curves,
+        (out / "curves.json").write_text(json.dumps({"data_s": data_s, "full_vocab": args.full_vocab,
+                                                     "trained": trained, "curves": curves,
                                                      "ngram": ngram, "records": records, "vs_ngram": replayed},
                                                     indent=1) + "\n")
         print(f"[quality] {end_to_end(data_s, trained)}")
         for name, points in curves.items():
-            print(f"[quality] {name}: final draft replayed on {gap_split(trained[name]['generalization'])}")
+            if "generalization" in trained[name]:
+                print(f"[quality] {name}: final draft replayed on {gap_split(trained[name]['generalization'])}")
             print(f"[quality] {name}: replayed held-out tau " + " / ".join(
                 f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
         for line in family_ratios(curves) + arm_ratios(curves, arm_pairs) + ngram_ratios(curves, ngram):
             print(f"[quality] {line}")
-        print("\n".join(["", *source_tables(replayed)]))
+        print("\n".join(["", *source_tables(replayed), *family_source_tables(curves, ngram, records),
+                         "Acceptance at each draft position, final drafts (replayed):", "", *position_acceptance(curves)]))
         return 0
 
     # --- 4. the real loop on the held-out prompts, baselines in the same process ------------------------------------
@@ -427,7 +474,8 @@ def main() -> int:
         report = run_eval(EvalSettings(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
                                        out_dir=out / "eval" / name, num_samples=0, temperature=temperature,
                                        block_size=7, max_new_tokens=args.max_new_tokens, scheduler=False,
-                                       hf_generate=True, lookup_first=n), target=target, baselines=baselines)
+                                       hf_generate=True, lookup_first=n, full_vocab=args.full_vocab),
+                           target=target, baselines=baselines)
         drafters[name] = {**trained.get(name, {}), "report": {k: v for k, v in report.items() if k != "samples"}}
         samples[name] = report["samples"]
         print(f"[quality] {name}: tau {report['accept_len']:.3f}, speedup {report['speedup']:.2f}x"

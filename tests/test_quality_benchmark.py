@@ -306,3 +306,59 @@ def test_add_source_takes_prompt_files_and_training_sources_never_held_out_ones(
     for bad in ("humaneval=1", "mtbench=1", "gsm8k=1", "libcode=0", "libcode=nan", f"{tmp_path / 'none.jsonl'}=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_source(bad)
+
+
+def test_family_source_tables_pair_each_family_with_dspark_per_source_and_copy_split():
+    """Each other family's final draft over DSpark's on the same records, per source and for copy-heavy / rest (read
+    from prompt lookup's own tau, not DSpark's), with the paired interval; the conditional acceptance table per
+    position beside it."""
+    records = [{"id": "eval_prompts:mtbench:81", "source": "mtbench"},
+               {"id": "eval_prompts:gsm8k:3", "source": "gsm8k"}]
+    ngram = {"replayed_tau": 2.0, "per_record_tokens": [10, 30], "per_record_rounds": [10, 10]}  # gsm8k copy-heavy
+    dspark = {"step": 100, "minutes": 3.0, "replayed_tau": 1.5, "per_record_tokens": [15, 15],
+              "per_record_rounds": [10, 10], "cond_accept_rate_at_k": [0.3, 0.2, 0.1], "accept_rate_at_k": [0.3, 0.06,
+                                                                                                            0.006]}
+    dflash2 = {"step": 60, "minutes": 3.0, "replayed_tau": 1.5, "per_record_tokens": [12, 18],
+               "per_record_rounds": [10, 10], "cond_accept_rate_at_k": [0.25, 0.5, 0.0],
+               "accept_rate_at_k": [0.25, 0.125, 0.0]}
+    lines = quality.family_source_tables({"dspark": [dspark], "dflash2": [dflash2]}, ngram, records)
+    assert lines[0] == "dflash2 over dspark, final drafts per source (replayed, T=0):"
+    assert "| mtbench | 1 | 1.200 | 1.500 | 0.800 [0.800, 0.800] | 0 |" in lines
+    assert "| gsm8k | 1 | 1.800 | 1.500 | 1.200 [1.200, 1.200] | 1 |" in lines
+    assert "| copy-heavy (n-gram tau > 2.5) | 1 | 1.800 | 1.500 | 1.200 [1.200, 1.200] | 1 |" in lines
+    assert "| rest | 1 | 1.200 | 1.500 | 0.800 [0.800, 0.800] | 0 |" in lines
+    assert quality.family_source_tables({"dflash2": [dflash2]}, ngram, records) == []  # no DSpark: nothing to pair
+    table = quality.position_acceptance({"dspark": [dspark], "dflash2": [dflash2]})
+    assert table[0].startswith("| final draft | steps | cond@1 | cond@2 | cond@3 | acc@1")
+    assert "| dflash2 | 60 | 0.250 | 0.500 | 0.000 | 0.250 | 0.125 | 0.000 |" in table
+    assert quality.position_acceptance({"dspark": [{"step": 1, "replayed_tau": 1.0}]}) == []  # saved before: none
+
+
+def test_replay_model_drafts_over_the_whole_vocabulary_only_when_asked():
+    """A block draft trained over loss.vocab_size keeps its token map (draft_vocab): replayed as trained it drafts
+    only among those ids; with full_vocab, as the engines serve it, over all of them (the --full-vocab mode)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from modeling.dspark import DSparkModel, build_dspark_config
+
+    config = LlamaConfig(vocab_size=200, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    draft_config = build_dspark_config(target.config, num_layers=1, block_size=4, target_layer_ids=[0, 1],
+                                       mask_token_id=5, markov_rank=0, enable_confidence_head=False,
+                                       sample_from_anchor=False)
+    token_map = torch.arange(0, 200, 20)  # 10 of the 200 ids
+    hidden, prev = torch.randn(64, 4, 32), torch.randint(0, 200, (64, 4))
+    drafts = {}
+    for full_vocab in (False, True):
+        model = DSparkModel.from_target(draft_config, target).to(torch.bfloat16)
+        model.draft_vocab = token_map
+        model = harness.replay_model(model, full_vocab)
+        assert next(model.parameters()).dtype == torch.float32
+        with torch.no_grad():
+            drafts[full_vocab] = model.greedy_drafts(hidden, prev)
+    assert torch.isin(drafts[False], token_map).all()
+    assert not torch.isin(drafts[True], token_map).all()  # the whole vocabulary: ids outside the map win
