@@ -55,8 +55,8 @@ def test_multi_turn_replay_uses_own_answers(tiny_qwen3, prompt_file, tmp_path, m
     # With the token it says first (greedy) as its eos, its first answers end, and the second turns are asked.
     said_first = Counter(r["response_ids"][0][0] for r in cut).most_common(1)[0][0]
 
-    def ending_tokenizer(name):
-        tokenizer = load_tokenizer(name)
+    def ending_tokenizer(name, chat_template=None):
+        tokenizer = load_tokenizer(name, chat_template)
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(said_first)
         return tokenizer
 

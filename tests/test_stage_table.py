@@ -34,10 +34,11 @@ def test_the_table_is_the_stages_in_order():
 def test_each_job_is_built_from_the_recipe(tmp_path):
     rows = {row.name: row for row in STAGE_TABLE}
     recipe = load_recipe("dspark_smollm2_135m")
-    run = RunState(recipe, tmp_path, Dist(), tokenizer="tok", get_target=lambda: "target")
+    run = RunState(recipe, tmp_path, Dist(), tokenizer="tok", get_target=lambda: "target",
+                   get_target_parts=lambda: "what the drafter reads of it")
     assert rows["regenerate"].job(run) == RegenJob(recipe, tmp_path / "regen", run.dist, run.get_target, "tok")
     assert rows["cache"].job(run) == CacheJob(recipe, tmp_path / "regen", tmp_path / "cache", run.dist,
-                                              run.get_target, "tok")
+                                              run.get_target_parts, "tok")  # under cache.backend engine: the parts
     assert rows["eval"].job(run) == EvalStageJob(tmp_path / "train" / "final", tmp_path / "eval")
     assert rows["export"].job(run) == ExportJob(tmp_path / "train" / "final", "sglang", tmp_path / "export" / "sglang",
                                                 verifier="smollm2-135m-instruct")
@@ -47,7 +48,7 @@ def test_each_job_is_built_from_the_recipe(tmp_path):
     assert [row.name for row in STAGE_TABLE if row.skip(recipe)] == ["opd"]  # opd.rounds 0
     online = load_recipe("dspark_smollm2_135m", ["train.hidden_states=online", "opd.rounds=1"])
     assert [row.name for row in STAGE_TABLE if row.skip(online)] == ["cache"]
-    assert rows["eval"].job(RunState(online, tmp_path, Dist(), None, None)).draft_dir == tmp_path / "opd" / "final"
+    assert rows["eval"].job(RunState(online, tmp_path, Dist(), None, None, None)).draft_dir == tmp_path / "opd" / "final"
 
 
 def test_draftsmith_train_walks_every_stage(tiny_qwen3, prompt_file, tmp_path, capsys):
