@@ -240,11 +240,9 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
 def replay_model(model, full_vocab: bool):
     """A loaded draft made ready to replay, in fp32; full_vocab: a block draft trained over loss.vocab_size drafts over
     the whole vocabulary anyway (its token map dropped), as the serving engines draft and eval.py --full-vocab does."""
-    from modeling.dspark import DSparkModel
+    from eval.spec_decode import drop_token_map
 
-    if full_vocab and isinstance(model, DSparkModel):
-        model.draft_vocab = None
-    return model.float()
+    return (drop_token_map(model) if full_vocab else model).float()
 
 
 def ngram_replay(eval_cache, max_new_tokens: int, eos_token_id) -> dict:

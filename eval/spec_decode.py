@@ -412,14 +412,22 @@ class DraftLMDrafter(Drafter):
 DRAFTERS = {DSparkModel: DSparkDrafter, Eagle3Model: Eagle3Drafter}
 
 
+def drop_token_map(model):
+    """`model` drafting over the whole vocabulary, as SGLang and vLLM serve it: a block draft's token map (the
+    loss.vocab_size tokens it trained over) dropped. Returns it."""
+    if isinstance(model, DSparkModel):
+        model.draft_vocab = None
+    return model
+
+
 def load_draft(draft_dir, target_model, *, dtype: torch.dtype | None = None, any_target: bool = False,
                full_vocab: bool = False) -> Drafter:
     """The drafter saved in `draft_dir` (a training draft folder or a serving export), on the target's device, in
     `dtype` (default: the target's dtype); a target with other weights than its own is refused unless `any_target`.
     full_vocab: draft over the whole vocabulary even where the folder has a token map, as the serving engines do."""
     model = load_draft_model(draft_dir, target_model, dtype=dtype, any_target=any_target)
-    if full_vocab and isinstance(model, DSparkModel):
-        model.draft_vocab = None
+    if full_vocab:
+        drop_token_map(model)
     pack_linears(model)  # frozen: oneDNN products on a CPU, as the target's (modeling/cpu_linear.py)
     return DRAFTERS[type(model)](model)
 
