@@ -317,17 +317,18 @@ def engine_side(engine: str, request: Path) -> dict:
         import sglang_cpu_stub
 
         sglang_cpu_stub.install()
-        from sglang.test.layer_ut_utils import init_single_process_dist
-
-        init_single_process_dist(master_port=29000 + os.getpid() % 2000)
+        sglang_cpu_stub.init_single_process_dist()
         read = sglang_read
     else:
         from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
+        sys.path.insert(0, str(ROOT))
+        from core.server import free_port
+
         with set_current_vllm_config(VllmConfig()):
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{29000 + os.getpid() % 2000}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
             initialize_model_parallel(1, 1)
         read = vllm_read
     found = {}

@@ -309,9 +309,8 @@ def _sglang_side(request: dict) -> dict:
 
     sglang_cpu_stub.install()
     from sglang.srt.utils.hf_transformers.config import get_config
-    from sglang.test.layer_ut_utils import init_single_process_dist
 
-    init_single_process_dist(master_port=29000 + os.getpid() % 2000)
+    sglang_cpu_stub.init_single_process_dist()
     from sglang.srt.models.dflash import DFlash2DraftModel
 
     inputs = torch.load(request["inputs"])

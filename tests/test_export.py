@@ -488,9 +488,8 @@ def _sglang_load(jobs: list[dict]) -> dict:
 
     sglang_cpu_stub.install()
     from sglang.srt.utils.hf_transformers.config import get_config
-    from sglang.test.layer_ut_utils import init_single_process_dist
 
-    init_single_process_dist(master_port=29000 + os.getpid() % 2000)
+    sglang_cpu_stub.init_single_process_dist()
     from sglang.srt.models.dflash import DFlashDraftModel
     from sglang.srt.models.dspark import Qwen3DSparkModel
     from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3

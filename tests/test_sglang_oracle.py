@@ -215,9 +215,8 @@ def _sglang_side(request: dict) -> dict:
 
     sglang_cpu_stub.install()
     from sglang.srt.utils.hf_transformers.config import get_config
-    from sglang.test.layer_ut_utils import init_single_process_dist
 
-    init_single_process_dist(master_port=29000 + os.getpid() % 2000)
+    sglang_cpu_stub.init_single_process_dist()
     from safetensors.torch import load_file
     from sglang.srt.models.dspark import Qwen3DSparkModel
     from sglang.srt.speculative.dspark_components.dspark_sps import load_sps_table_from_path
