@@ -1,7 +1,8 @@
 """How a recipe key is declared (core/recipe.py's schema is written with these): `setting(default, doc, bound=...)`
 puts a key's default, one-line doc and valid range beside its type annotation, so that the validator
 (`bound_problems`), the key listing (`dataclass_keys`: `draftsmith recipes --keys`, recipes/KEYS.md) and the docs
-read one declaration."""
+read one declaration. A key added later defaults to what runs did before it existed: stage folders made before it
+then still match (core/stage.py), and a half-trained run resumes under the new version."""
 
 from __future__ import annotations
 

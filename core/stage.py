@@ -82,8 +82,21 @@ def _changes(stage_dir: Path, settings: dict) -> dict[str, str]:
     if not own_file(Path(stage_dir) / SETTINGS_NAME):
         return {}
     old, new = _flatten(pinned(stage_dir)), _flatten(json.loads(json.dumps(settings)))
+    added_at_default = {k for k in set(new) - set(old) if new[k] == _recipe_defaults().get(k, _NO_DEFAULT)}
     return {k: f"{k}: {old.get(k)!r} in the folder, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k)}
+            if old.get(k) != new.get(k) and k not in added_at_default}
+
+
+_NO_DEFAULT = object()
+
+
+def _recipe_defaults() -> dict:
+    """{dotted recipe key: its default, as JSON reads it back}. A key pinned now but absent from a folder was added to
+    DraftSmith after the folder was made; at its default it matches, since a new key's default keeps what runs did
+    before it existed (core/schema.py): an upgrade does not strand a half-trained run."""
+    from core.recipe import recipe_keys
+
+    return {row["key"]: json.loads(json.dumps(row["default"], default=str)) for row in recipe_keys() if "[]" not in row["key"]}
 
 
 def begin(stage_dir: Path, settings: dict, is_main: bool = True, notes: dict[str, str] | None = None) -> None:

@@ -216,3 +216,23 @@ def test_a_run_that_did_work_and_then_crashed_keeps_its_recipe(tiny_qwen3, promp
              + tiny_overrides(tiny_qwen3, prompt_file, **{"train.lr": 0.005}))
     assert (out / "export" / "sglang" / "model.safetensors").is_file()
     assert "lr: 0.005" in (out / "recipe.yaml").read_text()  # what export/settings.json was pinned with
+
+
+def test_a_folder_made_before_a_key_existed_matches_at_its_default_and_not_otherwise(tmp_path):
+    """An upgrade adds recipe keys (DFlash2 added draft.selector_rank and loss.selector_alpha): a train folder pinned
+    before them resumes under the new version while they sit at their defaults (which keep the old behaviour), and is
+    refused, naming the key, when the recipe sets one."""
+    from dataclasses import asdict
+
+    from core import stage
+
+    recipe = load_recipe("dspark_smollm2_135m")
+    now = {"family": recipe.family, "draft": asdict(recipe.draft), "loss": asdict(recipe.loss)}
+    before = json.loads(json.dumps(now))
+    del before["draft"]["selector_rank"], before["loss"]["selector_alpha"]
+    stage.begin(tmp_path / "train", before)
+    stage.begin(tmp_path / "train", now)  # the folder still matches
+    assert json.loads((tmp_path / "train" / stage.SETTINGS_NAME).read_text()) == before  # and is not re-pinned
+    changed = load_recipe("dspark_smollm2_135m", ["loss.selector_alpha=0.5"])
+    with pytest.raises(stage.StageMismatchError, match=r"loss.selector_alpha: None in the folder, 0.5 now"):
+        stage.begin(tmp_path / "train", {**now, "loss": asdict(changed.loss)})
