@@ -35,7 +35,7 @@ from export.convert import ExportJob, export_draft  # noqa: E402
 from modeling.dspark import DSparkModel, build_dspark_config  # noqa: E402
 from modeling.registry import load_draft_model, save_draft  # noqa: E402
 from modeling.selector import training_candidates, walk  # noqa: E402
-from train.loss import block_loss  # noqa: E402
+from train.loss import BlockLossBatch, BlockLossSettings, LossChunking, block_loss  # noqa: E402
 
 V, H, LAYER_IDS, GAMMA, RANK, TOP_K = 300, 64, [0, 1, 2], 4, 8, 6
 PROMPTS = [[7], [3, 14, 15, 92, 65], [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]]
@@ -188,9 +188,10 @@ def test_selector_loss_is_the_k_way_ce_on_raw_logits_and_trains_the_tables(targe
     valid = torch.ones(n, GAMMA, dtype=torch.bool)
     valid[0, 2:] = False
     th = torch.randn(n, GAMMA, H, generator=g)
-    kw = dict(ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=4.0, use_checkpoint=False)
-    with_sel = block_loss(model, h, th, labels, prev, valid, selector_alpha=0.5, **kw)
-    without = block_loss(model, h, th, labels, prev, valid, selector_alpha=0.0, **kw)
+    kw = dict(ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=4.0, chunking=LossChunking(use_checkpoint=False))
+    batch = BlockLossBatch(h, th, labels, prev, valid)
+    with_sel = block_loss(model, batch, BlockLossSettings(selector_alpha=0.5, **kw))
+    without = block_loss(model, batch, BlockLossSettings(selector_alpha=0.0, **kw))
     # by hand, on SGLang's raw logits (the log-softmax shift is the same for every candidate of a slot)
     with torch.no_grad():
         logits = model.lm_head(h)

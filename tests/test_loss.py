@@ -6,13 +6,15 @@ Everything runs in float64 on tiny vocabularies so that "equal up to summation o
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from train.loss import auto_chunk_size, block_loss, eagle3_loss, position_weights
+from train.loss import (BlockLossBatch, BlockLossSettings, Eagle3LossSettings, LossChunking, auto_chunk_size,
+                        block_loss, eagle3_loss, position_weights)
 
 F64 = torch.float64
 DSPARK = dict(ce_alpha=0.1, l1_alpha=0.9, conf_alpha=1.0)
@@ -111,7 +113,7 @@ def grads(loss, model, dh):
 @pytest.mark.parametrize("gamma_decay", [4.0, 1.5])
 def test_block_terms_match_hand_formula(gamma_decay):
     model, b = TinyBlockDrafter(), make_batch()
-    out = block_loss(model, **b, **DSPARK, gamma_decay=gamma_decay)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(**DSPARK, gamma_decay=gamma_decay))
     ref, t = hand_sums(model, b, gamma_decay, **DSPARK)
     torch.testing.assert_close(out.ce_sum, ref["ce"].float())
     torch.testing.assert_close(out.l1_sum, ref["l1"].float())
@@ -129,7 +131,8 @@ def test_position_weights_and_valid_prefix_by_scalar_loops():
     gamma, gd = 7, 4.0
     prefix = [7, 3, 0, 1]
     model, b = TinyBlockDrafter(), make_batch(n=4, gamma=gamma, prefix=prefix)
-    out = block_loss(model, **b, ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=gd)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0,
+                                                                   gamma_decay=gd))
     with torch.no_grad():
         t = hand_terms(model, b, gd)
     want_w = sum(math.exp(-(k - 1) / gd) for p in prefix for k in range(1, p + 1))
@@ -147,8 +150,8 @@ def test_position_weights_and_valid_prefix_by_scalar_loops():
     b2["target_hidden"][inv] = float("nan")
     b2["labels"][inv] = 10**9
     b2["prev_ids"][inv] = 0
-    out2 = block_loss(model, **b2, **DSPARK, gamma_decay=gd)
-    out1 = block_loss(model, **b, **DSPARK, gamma_decay=gd)
+    out2 = block_loss(model, BlockLossBatch(**b2), BlockLossSettings(**DSPARK, gamma_decay=gd))
+    out1 = block_loss(model, BlockLossBatch(**b), BlockLossSettings(**DSPARK, gamma_decay=gd))
     for f in ("loss_sum", "weight_sum", "ce_sum", "l1_sum", "conf_sum", "accept_sum", "tau_sum"):
         torch.testing.assert_close(getattr(out2, f), getattr(out1, f), msg=f)
     assert torch.equal(out2.top1_correct, out1.top1_correct)
@@ -156,7 +159,7 @@ def test_position_weights_and_valid_prefix_by_scalar_loops():
 
 def test_accept_and_tau_by_formula():
     model, b = TinyBlockDrafter(), make_batch()
-    out = block_loss(model, **b, **DSPARK, gamma_decay=4.0)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(**DSPARK, gamma_decay=4.0))
     t = hand_terms(model, b, 4.0)
     c, valid = t["cstar"], b["valid"]
     n, gamma = valid.shape
@@ -181,8 +184,10 @@ def test_chunked_equals_unchunked(chunk_size, use_checkpoint):
     model, b = TinyBlockDrafter(), make_batch(n=7)
     ref, _ = hand_sums(model, b, 4.0, **DSPARK)
     ref_grads = grads(ref["loss"], model, b["draft_hidden"])
-    out = block_loss(model, **b, **DSPARK, gamma_decay=4.0, chunk_size=chunk_size, use_checkpoint=use_checkpoint)
-    full = block_loss(model, **b, **DSPARK, gamma_decay=4.0, chunk_size=7, use_checkpoint=False)
+    chunking = LossChunking(chunk_size=chunk_size, use_checkpoint=use_checkpoint)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(**DSPARK, gamma_decay=4.0, chunking=chunking))
+    full = block_loss(model, BlockLossBatch(**b), BlockLossSettings(
+        **DSPARK, gamma_decay=4.0, chunking=LossChunking(chunk_size=7, use_checkpoint=False)))
     torch.testing.assert_close(out.loss_sum, ref["loss"].float())
     got = grads(out.loss_sum, model, b["draft_hidden"])
     got_full = grads(full.loss_sum, model, b["draft_hidden"])
@@ -203,7 +208,8 @@ def test_loss_vocabulary_is_a_softmax_over_those_columns(chunk_size):
     model, b = TinyBlockDrafter(vocab=64), make_batch(n=7, vocab=24)  # labels < 24 index into vocab_ids
     vocab_ids = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:24].sort().values
     ref, terms = hand_sums(model, b, 4.0, **DSPARK, vocab_ids=vocab_ids)
-    out = block_loss(model, **b, **DSPARK, gamma_decay=4.0, chunk_size=chunk_size, vocab_ids=vocab_ids)
+    out = block_loss(model, BlockLossBatch(**b, vocab_ids=vocab_ids),
+                     BlockLossSettings(**DSPARK, gamma_decay=4.0, chunking=LossChunking(chunk_size=chunk_size)))
     torch.testing.assert_close(out.loss_sum, ref["loss"].float())
     for field, key in (("ce_sum", "ce"), ("l1_sum", "l1"), ("conf_sum", "bce")):
         torch.testing.assert_close(getattr(out, field), ref[key].float())
@@ -213,7 +219,7 @@ def test_loss_vocabulary_is_a_softmax_over_those_columns(chunk_size):
     dropped[vocab_ids] = False
     assert g_w2[dropped].abs().sum() == 0 and g_w2[vocab_ids].abs().sum() > 0
     # the full-vocabulary loss is a different objective on the same batch
-    full = block_loss(model, **b, **DSPARK, gamma_decay=4.0)
+    full = block_loss(model, BlockLossBatch(**b), BlockLossSettings(**DSPARK, gamma_decay=4.0))
     assert not torch.allclose(full.loss_sum, out.loss_sum)
 
 
@@ -225,12 +231,13 @@ def test_target_labels_are_the_target_argmax(vocab_ids):
     head = model.lm_head(b["target_hidden"])
     argmax = (head if vocab_ids is None else head[..., vocab_ids]).argmax(-1)
     for alphas in (DSPARK, dict(ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0)):
-        got = block_loss(model, **b, **alphas, gamma_decay=4.0, vocab_ids=vocab_ids, target_labels=True)
-        want = block_loss(model, **{**b, "labels": argmax}, **alphas, gamma_decay=4.0, vocab_ids=vocab_ids)
+        settings = BlockLossSettings(**alphas, gamma_decay=4.0)
+        got = block_loss(model, BlockLossBatch(**b, vocab_ids=vocab_ids), replace(settings, target_labels=True))
+        want = block_loss(model, BlockLossBatch(**{**b, "labels": argmax}, vocab_ids=vocab_ids), settings)
         torch.testing.assert_close(got.loss_sum, want.loss_sum)
         assert torch.equal(got.top1_correct, want.top1_correct)
-        mine = block_loss(model, **{**b, "labels": b["labels"].clamp(min=0) % 21}, **alphas, gamma_decay=4.0,
-                          vocab_ids=vocab_ids)
+        mine = block_loss(model, BlockLossBatch(**{**b, "labels": b["labels"].clamp(min=0) % 21}, vocab_ids=vocab_ids),
+                          settings)
         assert not torch.allclose(mine.loss_sum, got.loss_sum)  # the batch's labels are really ignored
 
 
@@ -254,7 +261,8 @@ def test_checkpointed_chunks_save_nothing_vocab_sized():
     model, b = TinyBlockDrafter(vocab=vocab), make_batch(n=7, vocab=vocab)
 
     def run(**kw):
-        return block_loss(model, **b, **DSPARK, gamma_decay=4.0, chunk_size=2, **kw)
+        return block_loss(model, BlockLossBatch(**b),
+                          BlockLossSettings(**DSPARK, gamma_decay=4.0, chunking=LossChunking(chunk_size=2, **kw)))
 
     assert (2, 5, vocab) in vocab_sized_saved(run, vocab, use_checkpoint=False)
     assert vocab_sized_saved(run, vocab, use_checkpoint=True) == []
@@ -268,7 +276,8 @@ def test_auto_chunk_size():
 
 def test_dflash_weights_give_exactly_ce_and_skip_target_work():
     model, b = TinyBlockDrafter(), make_batch()
-    out = block_loss(model, **b, ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=4.0, chunk_size=3)
+    dflash = BlockLossSettings(ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=4.0)
+    out = block_loss(model, BlockLossBatch(**b), replace(dflash, chunking=LossChunking(chunk_size=3)))
     assert model.target_calls == 0 and model.conf_calls == 0
     assert torch.equal(out.loss_sum.detach(), out.ce_sum)
     ref, _ = hand_sums(model, b, 4.0, 1.0, 0.0, 0.0)
@@ -280,10 +289,10 @@ def test_dflash_weights_give_exactly_ce_and_skip_target_work():
     assert g[-1].abs().sum() == 0 and g[-2].abs().sum() == 0  # conf_head untouched
 
     # Forcing the acceptance statistics costs target logits but does not change the loss.
-    out2 = block_loss(model, **b, ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=4.0, accept_stats=True)
+    out2 = block_loss(model, BlockLossBatch(**b), replace(dflash, accept_stats=True))
     assert model.target_calls > 0 and model.conf_calls == 0
     torch.testing.assert_close(out2.loss_sum, out.loss_sum)
-    full = block_loss(model, **b, **DSPARK, gamma_decay=4.0)
+    full = block_loss(model, BlockLossBatch(**b), BlockLossSettings(**DSPARK, gamma_decay=4.0))
     torch.testing.assert_close(out2.accept_sum, full.accept_sum)
     torch.testing.assert_close(out2.tau_sum, full.tau_sum)
 
@@ -296,8 +305,9 @@ def test_soft_ce_is_cross_entropy_against_the_target_distribution(chunk_size):
     p_t = torch.softmax(model.lm_head(b["target_hidden"]), dim=-1)
     logp_d = torch.log_softmax(model.draft_logits(b["draft_hidden"], b["prev_ids"]), dim=-1)
     soft = (t["w"] * torch.where(b["valid"], -(p_t * logp_d).sum(-1), 0.0)).sum()
-    out = block_loss(model, **b, ce_alpha=0.5, l1_alpha=0.0, conf_alpha=0.0, soft_ce_alpha=2.0, gamma_decay=4.0,
-                     chunk_size=chunk_size)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(
+        ce_alpha=0.5, l1_alpha=0.0, conf_alpha=0.0, soft_ce_alpha=2.0, gamma_decay=4.0,
+        chunking=LossChunking(chunk_size=chunk_size)))
     ce = (t["w"] * torch.where(b["valid"], t["ce"], 0.0)).sum()
     torch.testing.assert_close(out.loss_sum, (0.5 * ce + 2.0 * soft).float())
     for mine, want in zip(grads(out.loss_sum, model, b["draft_hidden"]),
@@ -310,7 +320,8 @@ def test_soft_ce_is_cross_entropy_against_the_target_distribution(chunk_size):
 def test_zero_alpha_terms_contribute_nothing(alphas):
     model, b = TinyBlockDrafter(), make_batch()
     ce_a, l1_a, conf_a = alphas
-    out = block_loss(model, **b, ce_alpha=ce_a, l1_alpha=l1_a, conf_alpha=conf_a, gamma_decay=4.0, chunk_size=2)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(
+        ce_alpha=ce_a, l1_alpha=l1_a, conf_alpha=conf_a, gamma_decay=4.0, chunking=LossChunking(chunk_size=2)))
     assert (model.conf_calls > 0) == (conf_a > 0)
     ref, _ = hand_sums(model, b, 4.0, ce_a, l1_a, conf_a)
     torch.testing.assert_close(out.loss_sum, ref["loss"].float())
@@ -328,8 +339,10 @@ def test_cstar_is_detached():
     """The confidence head here does not read h, so BCE can only reach draft_hidden through c*; it must not."""
     model, b = TinyBlockDrafter(conf_uses_hidden=False), make_batch()
     dh = b["draft_hidden"]
-    with_conf = block_loss(model, **b, ce_alpha=0.0, l1_alpha=0.9, conf_alpha=1.0, gamma_decay=4.0, chunk_size=3)
-    no_conf = block_loss(model, **b, ce_alpha=0.0, l1_alpha=0.9, conf_alpha=0.0, gamma_decay=4.0, chunk_size=3)
+    l1_conf = BlockLossSettings(ce_alpha=0.0, l1_alpha=0.9, conf_alpha=1.0, gamma_decay=4.0,
+                                chunking=LossChunking(chunk_size=3))
+    with_conf = block_loss(model, BlockLossBatch(**b), l1_conf)
+    no_conf = block_loss(model, BlockLossBatch(**b), replace(l1_conf, conf_alpha=0.0))
     (g_with,) = torch.autograd.grad(with_conf.loss_sum, dh)
     (g_without,) = torch.autograd.grad(no_conf.loss_sum, dh)
     torch.testing.assert_close(g_with, g_without, rtol=1e-6, atol=1e-9)
@@ -343,26 +356,30 @@ def test_cstar_is_detached():
     (g_live,) = torch.autograd.grad(bce_live, dh)
     assert g_live.abs().max() > 1e-6
     (g_conf_only,) = torch.autograd.grad(
-        block_loss(model, **b, ce_alpha=0.0, l1_alpha=0.0, conf_alpha=1.0, gamma_decay=4.0).loss_sum, dh,
+        block_loss(model, BlockLossBatch(**b), BlockLossSettings(ce_alpha=0.0, l1_alpha=0.0, conf_alpha=1.0,
+                                                                 gamma_decay=4.0)).loss_sum, dh,
         allow_unused=True)
     assert g_conf_only is None or g_conf_only.abs().max() == 0
 
 
 def test_all_padding_and_bad_inputs():
     model, b = TinyBlockDrafter(), make_batch(n=3, prefix=[0, 0, 0])
-    out = block_loss(model, **b, **DSPARK, gamma_decay=4.0)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(**DSPARK, gamma_decay=4.0))
     assert out.loss_sum.item() == 0.0 and out.weight_sum.item() == 0.0 and out.num_anchors.item() == 0
     out.loss_sum.backward()  # still differentiable
     b = make_batch()
     with pytest.raises(ValueError, match="labels"):
-        block_loss(model, **{**b, "labels": b["labels"][:, :2]}, **DSPARK, gamma_decay=4.0)
+        block_loss(model, BlockLossBatch(**{**b, "labels": b["labels"][:, :2]}), BlockLossSettings(**DSPARK,
+                                                                                                   gamma_decay=4.0))
     with pytest.raises(ValueError, match="bool"):
-        block_loss(model, **{**b, "valid": b["valid"].long()}, **DSPARK, gamma_decay=4.0)
+        block_loss(model, BlockLossBatch(**{**b, "valid": b["valid"].long()}), BlockLossSettings(**DSPARK,
+                                                                                                 gamma_decay=4.0))
 
 
 def test_bf16_model_gives_fp32_sums():
     model, b = TinyBlockDrafter(dtype=torch.bfloat16), make_batch(dtype=torch.bfloat16)
-    out = block_loss(model, **b, **DSPARK, gamma_decay=4.0, chunk_size=2)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(**DSPARK, gamma_decay=4.0,
+                                                                   chunking=LossChunking(chunk_size=2)))
     assert out.loss_sum.dtype == torch.float32 and torch.isfinite(out.loss_sum)
     out.loss_sum.backward()
     assert b["draft_hidden"].grad is not None and torch.isfinite(b["draft_hidden"].grad).all()
@@ -415,7 +432,7 @@ def eagle3_hand(inp, step_decay):
 @pytest.mark.parametrize("chunk_size", [1, 3, 9, None])
 def test_eagle3_soft_ce_matches_direct_formula(chunk_size):
     inp, draft_head = eagle3_setup()
-    out = eagle3_loss(**inp, step_decay=0.8, chunk_size=chunk_size)
+    out = eagle3_loss(**inp, settings=Eagle3LossSettings(step_decay=0.8, chunking=LossChunking(chunk_size=chunk_size)))
     loss, weight, ce_sum, acc, count = eagle3_hand(inp, 0.8)
     torch.testing.assert_close(out.loss_sum, loss.float())
     assert out.weight_sum.item() == pytest.approx(weight, rel=1e-6)
@@ -433,8 +450,8 @@ def test_eagle3_soft_ce_matches_direct_formula(chunk_size):
 def test_eagle3_restriction_and_decay_matter():
     """The draft-vocab renormalisation and the step decay are not no-ops (so the test above can fail)."""
     inp, _ = eagle3_setup()
-    out = eagle3_loss(**inp, step_decay=0.8)
-    flat = eagle3_loss(**inp, step_decay=1.0)
+    out = eagle3_loss(**inp, settings=Eagle3LossSettings(step_decay=0.8))
+    flat = eagle3_loss(**inp, settings=Eagle3LossSettings(step_decay=1.0))
     assert flat.loss_sum.item() != pytest.approx(out.loss_sum.item(), rel=1e-4)
     torch.testing.assert_close(out.loss_sum, (out.ce_sum * torch.tensor([1.0, 0.8, 0.64])).sum())
     # Full-vocab softmax then slicing would give a different (unnormalised) target.
@@ -448,7 +465,8 @@ def test_eagle3_checkpoint_saves_nothing_vocab_sized():
     vocab_d = int(inp["t2d"].sum())
 
     def run(**kw):
-        return eagle3_loss(**inp, step_decay=0.8, chunk_size=4, **kw)
+        chunking = LossChunking(chunk_size=4, **kw)
+        return eagle3_loss(**inp, settings=Eagle3LossSettings(step_decay=0.8, chunking=chunking))
 
     assert (1, 4, vocab_d) in vocab_sized_saved(run, vocab_d, use_checkpoint=False)
     assert vocab_sized_saved(run, vocab_d, use_checkpoint=True) == []  # the backward recomputes each chunk's log-probabilities
@@ -456,7 +474,8 @@ def test_eagle3_checkpoint_saves_nothing_vocab_sized():
 
 def test_all_alphas_zero_is_a_differentiable_zero():
     model, b = TinyBlockDrafter(), make_batch()
-    out = block_loss(model, **b, ce_alpha=0.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=4.0, chunk_size=3)
+    out = block_loss(model, BlockLossBatch(**b), BlockLossSettings(
+        ce_alpha=0.0, l1_alpha=0.0, conf_alpha=0.0, gamma_decay=4.0, chunking=LossChunking(chunk_size=3)))
     assert out.loss_sum.item() == 0.0 and out.ce_sum.item() > 0
     out.loss_sum.backward()
 
@@ -505,3 +524,42 @@ def test_the_step_reaches_the_block_loss_as_an_argument(tiny_qwen3):
     assert trained.loss_sum.item() == pytest.approx(loss.ce_alpha * trained.ce_sum.item() + loss.l1_alpha
                                                     * trained.l1_sum.item() + loss.conf_alpha * trained.conf_sum.item())
     assert trained.conf_sum.item() > 0 and not hasattr(module, "step")
+
+
+# --- the settings objects ---------------------------------------------------------------------------------------------
+
+
+def test_block_settings_come_from_every_loss_key_of_the_recipe():
+    """BlockLossSettings.from_recipe is where the recipe's loss keys become the loss's: each key lands on its field
+    (values unlike the defaults, so a key read from the wrong place shows), and the warm-up steps train CE alone."""
+    from core.recipe import load_recipe
+
+    loss = load_recipe("dflash2_smollm2_135m", [
+        "loss.ce_alpha=0.3", "loss.l1_alpha=0.2", "loss.conf_alpha=0.5", "loss.loss_decay_gamma=2.5",
+        "loss.soft_ce_alpha=0.7", "loss.selector_alpha=0.4", "loss.ce_labels=target", "loss.accept_stats=false",
+        "loss.checkpoint=false", "loss.ce_warmup_steps=3"]).loss
+    trained = BlockLossSettings(ce_alpha=0.3, l1_alpha=0.2, conf_alpha=0.5, gamma_decay=2.5, soft_ce_alpha=0.7,
+                                selector_alpha=0.4, target_labels=True, accept_stats=False,
+                                chunking=LossChunking(use_checkpoint=False))
+    assert BlockLossSettings.from_recipe(loss, 3) == BlockLossSettings.from_recipe(loss, 40) == trained
+    assert BlockLossSettings.from_recipe(loss, 2) == replace(trained, ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0,
+                                                             selector_alpha=0.0)
+    dspark = BlockLossSettings.from_recipe(load_recipe("dspark_smollm2_135m", ["loss.checkpoint=true"]).loss, 0)
+    assert not dspark.target_labels and dspark.chunking == LossChunking() and dspark.want_cstar
+
+    eagle3 = load_recipe("eagle3_smollm2_135m", ["loss.step_loss_decay=0.6", "loss.checkpoint=false"]).loss
+    assert Eagle3LossSettings.from_recipe(eagle3) == Eagle3LossSettings(0.6, LossChunking(use_checkpoint=False))
+
+
+def test_settings_refuse_bad_values_by_name():
+    with pytest.raises(ValueError, match=r"loss alphas must be >= 0, got ce=0.1 l1=0.9 conf=1.0 soft_ce=-0.5"):
+        BlockLossSettings(**DSPARK, gamma_decay=4.0, soft_ce_alpha=-0.5)
+    with pytest.raises(ValueError, match=r"chunk_size must be >= 1 \(or None: sized from chunk_bytes\), got 0"):
+        LossChunking(chunk_size=0)
+    assert LossChunking(chunk_bytes=35).rows(10) == 3 and LossChunking(chunk_size=5, chunk_bytes=35).rows(10) == 5
+    b = make_batch()
+    with pytest.raises(ValueError, match=r"target_hidden must be \[N, gamma, H\]"):
+        BlockLossBatch(**{**b, "target_hidden": b["target_hidden"][:3]})
+    batch = BlockLossBatch(**b, vocab_ids=torch.arange(10))
+    picked = batch.rows(torch.tensor([4, 1]))
+    assert torch.equal(picked.labels, b["labels"][[4, 1]]) and picked.vocab_ids is batch.vocab_ids

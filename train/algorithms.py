@@ -29,7 +29,8 @@ from modeling.eagle3 import Eagle3DecoderLayer, Eagle3Model, build_eagle3_config
 from modeling.registry import architecture_for_family, save_draft
 from modeling.vocab import build_vocab_mapping, target_to_draft
 from train.copy_init import freeze_copy_attention, init_copy_attention
-from train.loss import block_loss, block_weight_sum, eagle3_loss, eagle3_weight_sum
+from train.loss import (BlockLossBatch, BlockLossSettings, Eagle3LossSettings, block_loss, block_weight_sum,
+                        eagle3_loss, eagle3_weight_sum)
 
 # SmolLM2's vocabulary has no MASK token, and SGLang needs an id inside the target vocabulary (it reads the mask
 # embedding from the target's embed_tokens). <|endoftext|> (id 0) never occurs inside a chat, so its embedding is a
@@ -178,31 +179,22 @@ class BlockTrainModule(_TrainModule):
 
     def forward(self, batch: dict, step: int):
         """The loss sums of one micro-batch of optimizer step `step` (CE only during loss.ce_warmup_steps)."""
-        loss = self.recipe.loss
-        ce_alpha, l1_alpha, conf_alpha, selector_alpha = loss.ce_alpha, loss.l1_alpha, loss.conf_alpha, \
-            loss.selector_alpha
-        if step < loss.ce_warmup_steps:
-            ce_alpha, l1_alpha, conf_alpha, selector_alpha = 1.0, 0.0, 0.0, 0.0
+        settings = BlockLossSettings.from_recipe(self.recipe.loss, step)
         draft_hidden = self.draft(batch["input_ids"], batch["hidden_states"], batch["anchor_positions"],
                                   attention_mask=batch["attention_mask"])
         keep = batch["anchor_positions"] >= 0  # [B, A]
         rows = torch.arange(batch["input_ids"].shape[0], device=keep.device)[:, None, None]
         target_hidden = batch["last_hidden_state"][rows, batch["target_pos"].clamp(min=0)]  # [B, A, gamma, H]
         labels, valid = batch["labels"][keep], batch["valid"][keep]
-        target_labels = loss.ce_labels == "target"
-        if self.loss_t2d is not None and not target_labels:
+        if self.loss_t2d is not None and not settings.target_labels:
             # A label outside the loss vocabulary weighs nothing (it still counts in the batch's denominator, which
             # make_batch computed without the vocabulary: a constant share of ~1% of predictions).
             labels = target_to_draft(labels, self.loss_t2d)
             valid = valid & (labels >= 0)
             labels = labels.clamp(min=0)
-        return block_loss(self.draft, draft_hidden[keep], target_hidden[keep], labels,
-                          batch["prev_ids"][keep], valid, ce_alpha=ce_alpha, l1_alpha=l1_alpha,
-                          conf_alpha=conf_alpha, gamma_decay=loss.loss_decay_gamma,
-                          # DFlash too by default: the training tau estimate needs the target distribution
-                          accept_stats=loss.accept_stats, use_checkpoint=loss.checkpoint,
-                          soft_ce_alpha=loss.soft_ce_alpha, vocab_ids=self.draft.draft_vocab,
-                          target_labels=target_labels, selector_alpha=selector_alpha)
+        loss_batch = BlockLossBatch(draft_hidden[keep], target_hidden[keep], labels, batch["prev_ids"][keep], valid,
+                                    vocab_ids=self.draft.draft_vocab)
+        return block_loss(self.draft, loss_batch, settings)
 
 
 class BlockAlgorithm:
@@ -296,8 +288,7 @@ class Eagle3TrainModule(_TrainModule):
         step_hidden = self.draft.forward_train(batch["input_ids"], batch["hidden_states"], batch["attention_mask"],
                                                steps)
         return eagle3_loss(self.draft.step_logits, step_hidden, batch["last_hidden_state"], self.target_lm_head,
-                           self.draft.t2d, batch["step_valid"], self.recipe.loss.step_loss_decay,
-                           use_checkpoint=self.recipe.loss.checkpoint)
+                           self.draft.t2d, batch["step_valid"], Eagle3LossSettings.from_recipe(self.recipe.loss))
 
 
 class Eagle3Algorithm:

@@ -32,6 +32,10 @@ neither the target logits nor any probability tensor is computed, and ``confiden
 produced when it is computed anyway (otherwise they are NaN); ``accept_stats=True`` forces them (forward-only, under
 ``no_grad``).
 
+Each loss takes its inputs and one frozen settings object: ``block_loss(model, BlockLossBatch, BlockLossSettings)``,
+``eagle3_loss(..., Eagle3LossSettings)``; both settings carry a ``LossChunking``. ``from_recipe`` builds them from a
+recipe's ``loss`` section, the one place the trainer's keys become the loss's (train/algorithms.py calls it).
+
 Eagle3 (``eagle3_loss``): TTT step k's draft logits at position t are compared with the target distribution at
 position t+k+1, restricted to the draft vocabulary (``t2d``) and renormalised there: soft CE
 -sum p_target * log_softmax(draft_logits), weighted by ``step_decay ** k``.
@@ -46,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from core.recipe import LossConfig
 from modeling.cpu_linear import fast_linear
 from modeling.dspark import output_rows
 from modeling.selector import training_candidates
@@ -96,6 +101,35 @@ def eagle3_weight_sum(counts: Sequence, step_decay: float):
     return sum(w * c for w, c in zip(step_weights(len(counts), step_decay), counts))
 
 
+@dataclass(frozen=True)
+class LossChunking:
+    """How a loss walks over its rows (anchors for ``block_loss``, positions along T for ``eagle3_loss``): the module
+    docstring's "Memory"."""
+
+    #: rows per checkpointed chunk; None: the most whose vocabulary-sized fp32 tensors fit ``chunk_bytes`` (each loss
+    #: says which tensors: ``[chunk, gamma, V]`` for block_loss, K+1 ``[B, chunk, Vd]`` for eagle3_loss)
+    chunk_size: int | None = None
+    #: the byte budget that sizes a chunk when ``chunk_size`` is None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    #: False keeps every chunk's activations for the backward (faster, memory grows with the rows; for measurements
+    #: and small problems); True recomputes each chunk in the backward (loss.checkpoint)
+    use_checkpoint: bool = True
+
+    def __post_init__(self):
+        if self.chunk_size is not None and self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1 (or None: sized from chunk_bytes), got {self.chunk_size}")
+
+    def rows(self, row_bytes: int) -> int:
+        """Rows per chunk, for rows whose vocabulary-sized fp32 tensors take ``row_bytes`` together."""
+        return auto_chunk_size(row_bytes, self.chunk_bytes) if self.chunk_size is None else self.chunk_size
+
+    def run(self, chunk_fn: Callable, *args):
+        """``chunk_fn(*args)``, under a non-reentrant checkpoint when ``use_checkpoint`` and autograd records."""
+        if self.use_checkpoint and torch.is_grad_enabled():
+            return checkpoint(chunk_fn, *args, use_reentrant=False)
+        return chunk_fn(*args)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Block drafters: DSpark, DFlash
 # --------------------------------------------------------------------------------------------------------------
@@ -134,6 +168,105 @@ class BlockLossOut:
     selector_top1: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class BlockLossSettings:
+    """block_loss's weights and switches (the terms: module docstring). ``from_recipe`` builds it from a recipe."""
+
+    #: weight of the CE against the labels (loss.ce_alpha)
+    ce_alpha: float
+    #: weight of the L1 term, ||p_draft - p_target||_1 (loss.l1_alpha)
+    l1_alpha: float
+    #: weight of the confidence head's BCE against c* (loss.conf_alpha; ``model.confidence_logits`` is only called
+    #: when > 0)
+    conf_alpha: float
+    #: w_k = exp(-(k-1)/gamma_decay) per block position k (loss.loss_decay_gamma); None: no decay
+    gamma_decay: float | None
+    #: weight of the CE against the target's whole distribution (dense soft labels; loss.soft_ce_alpha)
+    soft_ce_alpha: float = 0.0
+    #: weight of DFlash2's selector CE (``model.candidate_selector``; its statistics are computed whenever the model
+    #: has one; loss.selector_alpha)
+    selector_alpha: float = 0.0
+    #: the CE label (and top-1 statistic) of each prediction is the target's argmax there, from
+    #: ``lm_head(target_hidden)``, instead of the batch's labels (loss.ce_labels: target); the selector's too
+    target_labels: bool = False
+    #: compute accept_sum/tau_sum (else they are NaN); None: only when p_target is needed anyway (l1 or conf alpha >
+    #: 0). True costs DFlash one no-grad target-logit matmul and softmax per chunk in the forward (the backward's
+    #: recompute stops before it; loss.accept_stats)
+    accept_stats: bool | None = None
+    #: anchors per checkpointed chunk: by default the most whose fp32 [chunk, gamma, V] fits chunk_bytes
+    chunking: LossChunking = LossChunking()
+
+    def __post_init__(self):
+        alphas = dict(ce=self.ce_alpha, l1=self.l1_alpha, conf=self.conf_alpha, soft_ce=self.soft_ce_alpha,
+                      selector=self.selector_alpha)
+        if min(alphas.values()) < 0:
+            raise ValueError("loss alphas must be >= 0, got " + " ".join(f"{k}={v}" for k, v in alphas.items()))
+
+    @classmethod
+    def from_recipe(cls, loss: LossConfig, step: int) -> BlockLossSettings:
+        """The recipe's ``loss`` section at optimizer step ``step``: CE alone (weight 1, no L1, confidence or selector
+        term) during the first loss.ce_warmup_steps steps, the recipe's weights from then on."""
+        alphas = dict(ce_alpha=loss.ce_alpha, l1_alpha=loss.l1_alpha, conf_alpha=loss.conf_alpha,
+                      selector_alpha=loss.selector_alpha)
+        if step < loss.ce_warmup_steps:
+            alphas = dict(ce_alpha=1.0, l1_alpha=0.0, conf_alpha=0.0, selector_alpha=0.0)
+        # accept_stats: DFlash too by default, the training tau estimate needs the target distribution
+        return cls(**alphas, gamma_decay=loss.loss_decay_gamma, soft_ce_alpha=loss.soft_ce_alpha,
+                   target_labels=loss.ce_labels == "target", accept_stats=loss.accept_stats,
+                   chunking=LossChunking(use_checkpoint=loss.checkpoint))
+
+    @property
+    def want_cstar(self) -> bool:
+        """Whether p_target and c* are computed: a term needs them, or accept_stats asks for the statistics."""
+        needed = bool(self.l1_alpha or self.conf_alpha)
+        return needed if self.accept_stats is None else bool(self.accept_stats or needed)
+
+    @property
+    def trains_draft_logits(self) -> bool:
+        """Whether a term differentiates the draft logits (otherwise p_draft only feeds the detached c*)."""
+        return bool(self.ce_alpha or self.l1_alpha or self.soft_ce_alpha or self.selector_alpha)
+
+
+@dataclass(frozen=True)
+class BlockLossBatch:
+    """What block_loss reads of one micro-batch: N anchors of gamma predictions each. A bad shape or dtype is refused
+    here, naming the field."""
+
+    #: [N, gamma, H], the draft's states (with grad)
+    draft_hidden: torch.Tensor
+    #: [N, gamma, H], the target's final-norm states whose ``model.lm_head`` gives each prediction's target
+    #: distribution (no grad)
+    target_hidden: torch.Tensor
+    #: [N, gamma] long, the next tokens (indices into ``vocab_ids`` when it is given); ignored where not valid
+    labels: torch.Tensor
+    #: [N, gamma] long, each prediction's predecessor token (the Markov bias and the selector read it)
+    prev_ids: torch.Tensor
+    #: [N, gamma] bool, a contiguous valid prefix per anchor
+    valid: torch.Tensor
+    #: [V'] long: every softmax (draft and target) over these tokens only, renormalised there; ``labels`` then index
+    #: into it (loss.vocab_size: the caller maps them and marks the rest invalid). None: the whole vocabulary
+    vocab_ids: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.draft_hidden.dim() != 3:
+            raise ValueError(f"draft_hidden must be [N, gamma, H], got {tuple(self.draft_hidden.shape)}")
+        n, gamma, _ = self.draft_hidden.shape
+        for name in ("labels", "prev_ids", "valid"):
+            if tuple(getattr(self, name).shape) != (n, gamma):
+                raise ValueError(f"{name} must be [N, gamma] = {(n, gamma)}, got {tuple(getattr(self, name).shape)}")
+        if tuple(self.target_hidden.shape[:2]) != (n, gamma):
+            raise ValueError(f"target_hidden must be [N, gamma, H] with N, gamma = {(n, gamma)}, "
+                             f"got {tuple(self.target_hidden.shape)}")
+        if self.valid.dtype != torch.bool:
+            raise ValueError(f"valid must be bool, got {self.valid.dtype}")
+
+    def rows(self, index: torch.Tensor | slice) -> BlockLossBatch:
+        """The anchors at ``index`` (a 1-D long tensor of rows, or a slice); ``vocab_ids`` is shared."""
+        pick = (lambda t: t[index]) if isinstance(index, slice) else (lambda t: t.index_select(0, index))
+        return BlockLossBatch(pick(self.draft_hidden), pick(self.target_hidden), pick(self.labels),
+                              pick(self.prev_ids), pick(self.valid), self.vocab_ids)
+
+
 def _selector_term(model, h, logp, labels, prev_ids, valid, w, vocab_ids):
     """(weighted K-way CE sum with grad, [gamma] picks equal to the label) of DFlash2's selector on one chunk."""
     selector = model.candidate_selector
@@ -147,14 +280,18 @@ def _selector_term(model, h, logp, labels, prev_ids, valid, w, vocab_ids):
     return (w * torch.where(valid, nll, 0.0)).sum(), top1
 
 
-def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, conf_alpha, want_cstar,
-                 soft_ce_alpha=0.0, vocab_ids=None, target_labels=False, selector_alpha=0.0):
-    """One chunk of anchors: returns (loss, ce, l1, conf, accept[gamma], tau, top1[gamma], sel, sel_top1[gamma]);
-    only loss has grad.
+def _block_chunk(model, chunk: BlockLossBatch, w: torch.Tensor, settings: BlockLossSettings):
+    """One chunk of anchors (``w``: their [c, gamma] position weights, zero where not valid): returns (loss, ce, l1,
+    conf, accept[gamma], tau, top1[gamma], sel, sel_top1[gamma]); only loss has grad.
 
     Memory-sensitive: vocabulary-sized intermediates are dropped as soon as they are used. The statistics come last,
     under no_grad, so the checkpoint's early stop skips them when the backward recomputes this chunk.
     """
+    h, th, labels, prev_ids, valid, vocab_ids = (chunk.draft_hidden, chunk.target_hidden, chunk.labels,
+                                                 chunk.prev_ids, chunk.valid, chunk.vocab_ids)
+    ce_alpha, l1_alpha, conf_alpha = settings.ce_alpha, settings.l1_alpha, settings.conf_alpha
+    soft_ce_alpha, selector_alpha = settings.soft_ce_alpha, settings.selector_alpha
+    want_cstar, target_labels = settings.want_cstar, settings.target_labels
     p_t = None
     if want_cstar or soft_ce_alpha or target_labels:
         with torch.no_grad():
@@ -165,8 +302,7 @@ def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, c
                 p_t = torch.softmax(_wide(head), dim=-1)
             del head
     # With neither CE nor L1 trained, p_draft only feeds the detached c*: no graph through the draft logits.
-    with torch.set_grad_enabled(torch.is_grad_enabled() and bool(ce_alpha or l1_alpha or soft_ce_alpha
-                                                                   or selector_alpha)):
+    with torch.set_grad_enabled(torch.is_grad_enabled() and settings.trains_draft_logits):
         logits = _wide(model.draft_logits(h, prev_ids, vocab_ids))  # [c, gamma, V]
         logp = torch.log_softmax(logits, dim=-1)
         del logits
@@ -222,67 +358,19 @@ def _block_chunk(model, h, th, labels, prev_ids, valid, w, ce_alpha, l1_alpha, c
                 torch.zeros_like(top1) if sel_top1 is None else sel_top1)
 
 
-def block_loss(
-    model,
-    draft_hidden: torch.Tensor,
-    target_hidden: torch.Tensor,
-    labels: torch.Tensor,
-    prev_ids: torch.Tensor,
-    valid: torch.Tensor,
-    *,
-    ce_alpha: float,
-    l1_alpha: float,
-    conf_alpha: float,
-    gamma_decay: float | None,
-    chunk_size: int | None = None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    accept_stats: bool | None = None,
-    use_checkpoint: bool = True,
-    soft_ce_alpha: float = 0.0,
-    vocab_ids: torch.Tensor | None = None,
-    target_labels: bool = False,
-    selector_alpha: float = 0.0,
-) -> BlockLossOut:
-    """DSpark/DFlash loss sums over N anchors of gamma predictions each.
+def block_loss(model, batch: BlockLossBatch, settings: BlockLossSettings) -> BlockLossOut:
+    """DSpark/DFlash loss sums over the batch's N anchors of gamma predictions each, weighted and switched by
+    ``settings``.
 
-    draft_hidden  [N, gamma, H], the draft's states (with grad)
-    target_hidden [N, gamma, H], the target's final-norm states whose ``model.lm_head`` gives each prediction's
-                  target distribution (no grad)
-    labels, prev_ids [N, gamma] long; valid [N, gamma] bool, a contiguous valid prefix per anchor
-    model         ``draft_logits(h, prev_ids, vocab_ids) -> [n, gamma, V]`` (Markov bias included),
-                  ``confidence_logits(h, prev_ids) -> [n, gamma]`` (called only when conf_alpha > 0), ``lm_head``
-                  (frozen Linear H -> V)
-    chunk_size    anchors per checkpointed chunk; default: the most whose fp32 [chunk, gamma, V] fits chunk_bytes
-    accept_stats  compute accept_sum/tau_sum (else they are NaN); default: only when p_target is needed anyway
-                  (l1 or conf alpha > 0). True costs DFlash one no-grad target-logit matmul and softmax per chunk in
-                  the forward (the backward's recompute stops before it)
-    use_checkpoint  False keeps every chunk's activations for the backward (faster, memory grows with N; for
-                  measurements and small problems)
-    vocab_ids     [V'] long: every softmax (draft and target) over these tokens only, renormalised there; labels are
-                  then indices into vocab_ids (loss.vocab_size; the caller maps them and marks the rest invalid)
-    target_labels  the CE label (and top-1 statistic) of each prediction is the target's argmax there, from
-                  ``lm_head(target_hidden)``, instead of ``labels`` (loss.ce_labels: target); the selector's too
-    selector_alpha  weight of DFlash2's selector CE (``model.candidate_selector``; its statistics are computed
-                  whenever the model has one)
+    model  ``draft_logits(h, prev_ids, vocab_ids) -> [n, gamma, V]`` (Markov bias included),
+           ``confidence_logits(h, prev_ids) -> [n, gamma]`` (called only when conf_alpha > 0), ``lm_head`` (frozen
+           Linear H -> V), and ``candidate_selector`` (DFlash2) when it has one
     """
-    if draft_hidden.dim() != 3:
-        raise ValueError(f"draft_hidden must be [N, gamma, H], got {tuple(draft_hidden.shape)}")
-    n, gamma, _ = draft_hidden.shape
-    for name, t in (("labels", labels), ("prev_ids", prev_ids), ("valid", valid)):
-        if tuple(t.shape) != (n, gamma):
-            raise ValueError(f"{name} must be [N, gamma] = {(n, gamma)}, got {tuple(t.shape)}")
-    if tuple(target_hidden.shape[:2]) != (n, gamma):
-        raise ValueError(f"target_hidden must be [N, gamma, H] with N, gamma = {(n, gamma)}, "
-                         f"got {tuple(target_hidden.shape)}")
-    if valid.dtype != torch.bool:
-        raise ValueError(f"valid must be bool, got {valid.dtype}")
-    if min(ce_alpha, l1_alpha, conf_alpha, selector_alpha) < 0:
-        raise ValueError(f"loss alphas must be >= 0, got ce={ce_alpha} l1={l1_alpha} conf={conf_alpha} "
-                         f"selector={selector_alpha}")
-
-    device = draft_hidden.device
-    want_cstar = bool(l1_alpha or conf_alpha) if accept_stats is None else bool(accept_stats or l1_alpha or conf_alpha)
-    w_pos = position_weights(gamma, gamma_decay, device)
+    n, gamma, _ = batch.draft_hidden.shape
+    valid = batch.valid
+    device = batch.draft_hidden.device
+    want_cstar = settings.want_cstar
+    w_pos = position_weights(gamma, settings.gamma_decay, device)
     w_all = w_pos * valid  # [N, gamma] fp32
     accept_count = valid.sum(0)
     active = valid.any(1)
@@ -292,31 +380,21 @@ def block_loss(
     # turn into NaN. One host sync.
     idx = active.nonzero().squeeze(1)
     if idx.numel() != n:
-        draft_hidden, target_hidden, labels, prev_ids, valid, w_all = (
-            t.index_select(0, idx) for t in (draft_hidden, target_hidden, labels, prev_ids, valid, w_all))
+        batch, w_all = batch.rows(idx), w_all.index_select(0, idx)
     m = idx.numel()
 
-    vocab = _out_features(model.lm_head) if vocab_ids is None else vocab_ids.numel()
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(gamma * vocab * 4, chunk_bytes)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    ckpt = use_checkpoint and torch.is_grad_enabled()
+    vocab = _out_features(model.lm_head) if batch.vocab_ids is None else batch.vocab_ids.numel()
+    chunk_size = settings.chunking.rows(gamma * vocab * 4)
 
     zero = torch.zeros((), dtype=torch.float32, device=device)
-    loss_sum = draft_hidden.sum() * 0.0 if m == 0 else None
+    loss_sum = batch.draft_hidden.sum() * 0.0 if m == 0 else None
     ce_sum, l1_sum, conf_sum, tau_sum = zero, zero, zero, zero
     accept_sum = torch.zeros(gamma, dtype=torch.float32, device=device)
     top1 = torch.zeros(gamma, dtype=torch.long, device=device)
     sel_sum, sel_top1 = zero, torch.zeros(gamma, dtype=torch.long, device=device)
     for s in range(0, m, chunk_size):
         e = min(m, s + chunk_size)
-        args = (model, draft_hidden[s:e], target_hidden[s:e], labels[s:e], prev_ids[s:e], valid[s:e], w_all[s:e],
-                ce_alpha, l1_alpha, conf_alpha, want_cstar, soft_ce_alpha, vocab_ids, target_labels, selector_alpha)
-        if ckpt:
-            out = checkpoint(_block_chunk, *args, use_reentrant=False)
-        else:
-            out = _block_chunk(*args)
+        out = settings.chunking.run(_block_chunk, model, batch.rows(slice(s, e)), w_all[s:e], settings)
         loss, ce, l1, conf, accept, tau, t1, sel, sel_t1 = out
         loss_sum = loss if loss_sum is None else loss_sum + loss
         sel_sum, sel_top1 = sel_sum + sel, sel_top1 + sel_t1
@@ -362,6 +440,22 @@ class Eagle3LossOut:
     acc_count: torch.Tensor
 
 
+@dataclass(frozen=True)
+class Eagle3LossSettings:
+    """eagle3_loss's switches. ``from_recipe`` builds it from a recipe."""
+
+    #: TTT step k's loss weighs step_decay**k (loss.step_loss_decay)
+    step_decay: float
+    #: positions (along T) per checkpointed chunk: by default the most for which the chunk's K step log-probabilities
+    #: plus its target window, [B, chunk, Vd] fp32 each, fit in chunk_bytes
+    chunking: LossChunking = LossChunking()
+
+    @classmethod
+    def from_recipe(cls, loss: LossConfig) -> Eagle3LossSettings:
+        """The recipe's ``loss`` section (the same at every optimizer step)."""
+        return cls(step_decay=loss.step_loss_decay, chunking=LossChunking(use_checkpoint=loss.checkpoint))
+
+
 def _eagle3_chunk(step_logits_fn, weight, bias, th_window, decays, n_pos, *tensors):
     """Positions [s, s+n_pos) for every step. tensors = K step hiddens [B, n_pos, H] then K valid masks [B, n_pos].
 
@@ -400,11 +494,7 @@ def eagle3_loss(
     target_lm_head,
     t2d: torch.Tensor,
     valid: Sequence[torch.Tensor],
-    step_decay: float,
-    chunk_size: int | None = None,
-    *,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    use_checkpoint: bool = True,
+    settings: Eagle3LossSettings,
 ) -> Eagle3LossOut:
     """Eagle3 TTT loss sums: soft CE of each step against the target, over the draft vocabulary.
 
@@ -413,8 +503,7 @@ def eagle3_loss(
     target_hidden   [B, T, H] target final-norm states; target_lm_head a frozen Linear H -> V
     t2d             [V] bool, True on the draft vocabulary's columns (Vd of them, in target-id order)
     valid           one [B, T] bool per step; position t of step k is also invalid when t+k+1 >= T
-    chunk_size      positions (along T) per checkpointed chunk; default: the most for which the chunk's K step
-                    log-probabilities plus its target window, [B, chunk, Vd] fp32 each, fit in chunk_bytes
+    settings        the step decay and the chunking (Eagle3LossSettings)
     """
     steps = len(step_hidden)
     if steps == 0 or len(valid) != steps:
@@ -442,17 +531,14 @@ def eagle3_loss(
         weight, bias = weight.detach(), None if bias is None else bias.detach()
     vocab_d = weight.shape[0]
 
+    step_decay = settings.step_decay
     decays = step_weights(steps, step_decay)
     pos = torch.arange(t_len, device=device)
     valid = [valid[k] & (pos < t_len - k - 1) for k in range(steps)]
     counts = torch.stack([v.sum() for v in valid])
     weight_sum = eagle3_weight_sum(counts.float(), step_decay)
 
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(b * vocab_d * 4 * (steps + 1), chunk_bytes)
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    ckpt = use_checkpoint and torch.is_grad_enabled()
+    chunk_size = settings.chunking.rows(b * vocab_d * 4 * (steps + 1))
     th_pad = F.pad(target_hidden, (0, 0, 0, steps))  # rows past T: finite dummies, always masked out
 
     loss_sum = None
@@ -463,10 +549,7 @@ def eagle3_loss(
         n_pos = e - s
         args = (step_logits_fn, weight, bias, th_pad[:, s + 1:e + steps], decays, n_pos,
                 *(h[:, s:e] for h in step_hidden), *(v[:, s:e] for v in valid))
-        if ckpt:
-            loss, ce, acc = checkpoint(_eagle3_chunk, *args, use_reentrant=False)
-        else:
-            loss, ce, acc = _eagle3_chunk(*args)
+        loss, ce, acc = settings.chunking.run(_eagle3_chunk, *args)
         loss_sum = loss if loss_sum is None else loss_sum + loss
         ce_sum, acc_sum = ce_sum + ce.float(), acc_sum + acc
 
@@ -476,8 +559,12 @@ def eagle3_loss(
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "BlockLossBatch",
     "BlockLossOut",
+    "BlockLossSettings",
     "Eagle3LossOut",
+    "Eagle3LossSettings",
+    "LossChunking",
     "auto_chunk_size",
     "block_loss",
     "block_weight_sum",
