@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from eval.run import acceptance_metrics
+from eval.report import acceptance_metrics
 from eval.lookup import NgramDrafter, lookup_first_matches, lookup_proposals
 from train.rollout import answer_span, draft_matches, replay_rounds
 
