@@ -194,7 +194,7 @@ VLLM_CPU_DFLASH2 = ("vLLM 0.32 serves a DFlash2 draft's candidate selector only 
                     "same: python export/main.py --to vllm), or measure it offline (eval.py without --live)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LiveServing:
     """How the live check serves the draft. engine: `vllm` or `sglang`. engine_python: the python that runs it
     (None: .venv-vllm or $DRAFTSMITH_VLLM_PYTHON for vLLM, this one for SGLang). dtype: the served dtype (None:

@@ -18,6 +18,7 @@ import ast
 import http.server
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,6 +154,26 @@ def test_missing_engine_python_fails_before_any_work(tmp_path):
         run_live_eval(EvalDecode(draft=str(tmp_path / "draft"), target_name="smollm2-135m-instruct",
                                  dataset="mtbench", num_samples=1, max_new_tokens=4),
                       LiveServing(engine="vllm", engine_python=str(tmp_path / "no-such-python")), tmp_path / "out")
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("temperature", 0.7, "--live compares greedy decoding only"),
+    ("lookup_first", 2, "drop --lookup-first 2, measured offline"),
+    ("verify_schedule", "confidence", "drop --schedule confidence, measured offline"),
+])
+def test_live_refuses_what_no_engine_serves_before_any_work(tmp_path, field, value, fragment):
+    """run_live_eval reads the offline eval's EvalDecode: what the engines do not serve (sampling, the confidence
+    schedule, lookup-first) is refused before the target loads or anything is written, not silently dropped."""
+    from eval.live import LiveServing, run_live_eval
+    from eval.run import EvalDecode
+
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    decode = EvalDecode(draft=str(tmp_path / "draft"), target_name="smollm2-135m-instruct", dataset="mtbench",
+                        num_samples=1, max_new_tokens=4, **{field: value})
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        run_live_eval(decode, LiveServing(engine="vllm"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
