@@ -32,18 +32,26 @@ from modeling.draft_folder import is_draft_dir, max_drafts  # noqa: E402
 # --help and a bad argument answer at once.
 
 
+def eval_decode(args):
+    """What the flags ask to decode (eval/run.py EvalDecode), offline and --live alike."""
+    from eval.run import EvalDecode
+
+    return EvalDecode(
+        draft=args.draft, target_name=args.target, dataset=args.dataset, num_samples=args.num_samples,
+        temperature=args.temperature, block_size=args.block_size, max_new_tokens=args.max_new_tokens, seed=args.seed,
+        system_prompt=args.system_prompt, dataset_path=args.dataset_path, any_target=args.any_target,
+        full_vocab=args.full_vocab, verify_schedule=args.schedule, sts_path=args.sts, lookup_first=args.lookup_first)
+
+
 def _live(args) -> int:
-    from eval.live import print_live_summary, run_live_eval
+    from eval.live import LiveServing, print_live_summary, run_live_eval
 
     if args.temperature > 0:
         raise SystemExit("--live compares greedy decoding only: drop --temperature")
     try:
-        report = run_live_eval(engine=args.engine, draft=args.draft, target_name=args.target, dataset=args.dataset,
-                               out_dir=Path(args.out), num_samples=args.num_samples,
-                               max_new_tokens=args.max_new_tokens, block_size=args.block_size, seed=args.seed,
-                               system_prompt=args.system_prompt, dataset_path=args.dataset_path,
-                               tolerance=args.tolerance, engine_python=args.engine_python, dtype=args.dtype,
-                               startup_timeout=args.startup_timeout, server_args=tuple(args.server_arg))
+        report = run_live_eval(eval_decode(args), LiveServing(
+            engine=args.engine, engine_python=args.engine_python, dtype=args.dtype,
+            startup_timeout=args.startup_timeout, server_args=tuple(args.server_arg)), Path(args.out), args.tolerance)
     except (ServerStartError, LiveEvalError, ValueError) as exc:
         print(f"[live] failed: {exc}", file=sys.stderr)
         return 2
@@ -101,6 +109,9 @@ def argument_problems(args) -> list[str]:
     if args.schedule == "confidence" and (args.draft == "ngram" or args.draft.startswith("lm:") or args.live):
         problems.append("--schedule confidence needs a DSpark draft folder with a confidence head, evaluated offline "
                         f"(not --draft {args.draft}{' with --live' if args.live else ''})")
+    if args.lookup_first and args.live:  # no serving engine runs lookup-first
+        problems.append(f"--lookup-first {args.lookup_first} is measured offline (no serving engine runs it): drop "
+                        f"--live or --lookup-first")
     if args.sts is not None:
         from export.serving import load_sts
 
@@ -204,17 +215,14 @@ def main(argv=None) -> int:
     keep_freed_memory()  # torch's CPU tensors come from malloc (core/malloc.py)
     if args.live:
         return _live(args)
-    from eval.run import EvalSettings, ScheduleError, print_summary, run_eval
+    from eval.report import ReportSettings, print_summary
+    from eval.run import ScheduleError, run_eval
     from modeling.registry import TargetMismatchError
 
     try:
-        report = run_eval(EvalSettings(
-            draft=args.draft, target_name=args.target, dataset=args.dataset, out_dir=Path(args.out),
-            num_samples=args.num_samples, temperature=args.temperature, block_size=args.block_size,
-            max_new_tokens=args.max_new_tokens, seed=args.seed, system_prompt=args.system_prompt,
-            dataset_path=args.dataset_path, scheduler=not args.no_scheduler, hf_generate=args.hf_generate,
-            ngram_baseline=args.ngram_baseline, any_target=args.any_target, full_vocab=args.full_vocab,
-            verify_schedule=args.schedule, sts_path=args.sts, lookup_first=args.lookup_first))
+        report = run_eval(eval_decode(args), ReportSettings(
+            out_dir=Path(args.out), ngram_baseline=args.ngram_baseline, hf_generate=args.hf_generate,
+            scheduler=not args.no_scheduler))
     except (TargetMismatchError, ScheduleError, LinkedPathError) as exc:
         print(f"[eval] refused: {exc}", file=sys.stderr)
         return 2

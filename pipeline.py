@@ -521,7 +521,8 @@ def _eval_job(run: RunState) -> EvalStageJob:
 
 
 def _run_eval(job: EvalStageJob, run: RunState) -> None:
-    from eval.run import print_summary, run_eval_stage
+    from eval.report import print_summary
+    from eval.run import run_eval_stage
 
     if run.dist.is_main:  # batch size 1, on rank 0, with the target the run already holds
         with run.dist.every_core():  # the other ranks wait meanwhile

@@ -93,7 +93,7 @@ def tau_at(points: list[dict], minutes: float) -> float:
 
 
 def plot_curves(curves: dict, baselines: dict, path: Path, budget_s: float) -> None:
-    from eval.run import new_plot, save_plot
+    from eval.report import new_plot, save_plot
 
     fig, ax = new_plot((7, 4))
     for family, points in curves.items():
@@ -375,7 +375,8 @@ def main() -> int:
 
     from core.recipe import load_recipe
     from data.capture import open_cache
-    from eval.run import EvalSettings, run_eval, vs_ngram
+    from eval.report import ReportSettings, vs_ngram
+    from eval.run import EvalDecode, run_eval
     from modeling.target import load_target, load_tokenizer, target_hidden_size
 
     tokenizer = load_tokenizer("smollm2-135m-instruct")
@@ -471,11 +472,11 @@ def main() -> int:
                  for name, draft, n in loop_runs + [("ngram", "ngram", 0)]]
     for name, draft, n, temperature in loop_runs:
         draft = str(out / draft / "train" / "final") if draft in FAMILIES else draft
-        report = run_eval(EvalSettings(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
-                                       out_dir=out / "eval" / name, num_samples=0, temperature=temperature,
-                                       block_size=7, max_new_tokens=args.max_new_tokens, scheduler=False,
-                                       hf_generate=True, lookup_first=n, full_vocab=args.full_vocab),
-                           target=target, baselines=baselines)
+        report = run_eval(EvalDecode(draft=draft, target_name="smollm2-135m-instruct", dataset=str(eval_file),
+                                     num_samples=0, temperature=temperature, block_size=7,
+                                     max_new_tokens=args.max_new_tokens, lookup_first=n, full_vocab=args.full_vocab),
+                          ReportSettings(out_dir=out / "eval" / name, scheduler=False, hf_generate=True),
+                          target=target, baselines=baselines)
         drafters[name] = {**trained.get(name, {}), "report": {k: v for k, v in report.items() if k != "samples"}}
         samples[name] = report["samples"]
         print(f"[quality] {name}: tau {report['accept_len']:.3f}, speedup {report['speedup']:.2f}x"

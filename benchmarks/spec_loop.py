@@ -35,9 +35,10 @@ sys.path.insert(0, str(ROOT))
 from core.io import atomic_write_json, atomic_write_text  # noqa: E402
 from core.malloc import keep_freed_memory  # noqa: E402
 from data.prompts import eval_prompts  # noqa: E402
-from eval.run import acceptance_metrics, first_turn_ids, hf_generate_result, round_timing  # noqa: E402
+from eval.report import acceptance_metrics, round_timing  # noqa: E402
+from eval.run import first_turn_ids, hf_generate_result  # noqa: E402
 from eval.lookup import NgramDrafter  # noqa: E402
-from eval.spec_decode import OracleDrafter, load_draft, speculative_generate, target_generate  # noqa: E402
+from eval.spec_decode import Decoding, OracleDrafter, load_draft, speculative_generate, target_generate  # noqa: E402
 from modeling import cpu_linear  # noqa: E402
 from modeling.target import SMOLLM2, load_target, load_tokenizer  # noqa: E402
 
@@ -183,8 +184,8 @@ def main(argv=None) -> int:
             drafters = {"oracle": OracleDrafter(ids, reference.ids, args.gamma),
                         "ngram": NgramDrafter(gamma=args.gamma), **trained}
             for name, drafter in drafters.items():
-                result = speculative_generate(target, drafter, ids, gamma=args.gamma,
-                                              max_new_tokens=args.max_new_tokens, eos_token_id=eos)
+                result = speculative_generate(target, drafter, ids, Decoding(
+                    gamma=args.gamma, max_new_tokens=args.max_new_tokens, eos_token_id=eos))
                 if result.ids != reference.ids:
                     raise SystemExit(f"{name}: speculative output differs from the plain loop's on a prompt: "
                                      "not lossless")

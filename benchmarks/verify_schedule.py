@@ -97,19 +97,20 @@ def main(argv=None) -> int:
 
     from core.malloc import keep_freed_memory
     from data.prompts import eval_prompts
-    from eval.run import (EvalSettings, acceptance_metrics, first_turn_ids, loop_schedule, make_drafter, round_timing,
-                          run_eval)
-    from eval.spec_decode import speculative_generate, target_generate
+    from eval.report import ReportSettings, acceptance_metrics, round_timing
+    from eval.run import EvalDecode, first_turn_ids, loop_schedule, make_drafter, run_eval
+    from eval.spec_decode import Decoding, speculative_generate, target_generate
     from modeling.target import load_target, load_tokenizer
     from tqdm.auto import tqdm
 
     keep_freed_memory()
     target = load_target(TARGET, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(TARGET)
-    calibration = run_eval(EvalSettings(
+    calibration = run_eval(EvalDecode(
         draft=str(args.draft), target_name=TARGET, dataset=str(args.calibration_prompts),
-        out_dir=args.out / "calibration", num_samples=args.num_calibration, temperature=0.0, block_size=args.gamma,
-        max_new_tokens=args.max_new_tokens, scheduler=False, full_vocab=True), target=target)
+        num_samples=args.num_calibration, temperature=0.0, block_size=args.gamma,
+        max_new_tokens=args.max_new_tokens, full_vocab=True),
+        ReportSettings(out_dir=args.out / "calibration", scheduler=False), target=target)
     if "calibration" not in calibration:
         parser.error(f"--draft {args.draft}: no confidence head, nothing to schedule with")
     sts = calibration["calibration"]["sts_path"]
@@ -132,9 +133,9 @@ def main(argv=None) -> int:
         ids = first_turn_ids(tokenizer, prompt, None, False)
         plain = [target_generate(target, ids, args.max_new_tokens, 0.0, tokenizer.eos_token_id, seed=i)]
         for run in runs if i % 2 == 0 else reversed(runs):
-            result = speculative_generate(target, run["model"], ids, gamma=run["gamma"],
-                                          max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                                          seed=i, schedule=run["verify"])
+            result = speculative_generate(target, run["model"], ids, Decoding(
+                gamma=run["gamma"], max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, seed=i),
+                schedule=run["verify"])
             run["rounds"] += result.rounds
             run["time"] += result.wall_s
             run["prefill"] += result.prefill_s

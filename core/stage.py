@@ -23,6 +23,7 @@ from pathlib import Path
 
 from core.io import (CHECKSUMS_NAME, LinkedPathError, atomic_write_bytes, atomic_write_json, link_problem, links_under,
                      own_file, read_json, sha256_file, verify_checksums)
+from core.recipe import recipe_keys
 
 # each stage's folder under a run's --out, in pipeline order (regenerate, cache, train, opd, eval, export)
 STAGE_DIRS = ("regen", "cache", "train", "opd", "eval", "export")
@@ -94,8 +95,6 @@ def _recipe_defaults() -> dict:
     """{dotted recipe key: its default, as JSON reads it back}. A key pinned now but absent from a folder was added to
     DraftSmith after the folder was made; at its default it matches, since a new key's default keeps what runs did
     before it existed (core/schema.py): an upgrade does not strand a half-trained run."""
-    from core.recipe import recipe_keys
-
     return {row["key"]: json.loads(json.dumps(row["default"], default=str)) for row in recipe_keys() if "[]" not in row["key"]}
 
 

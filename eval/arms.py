@@ -9,7 +9,7 @@ arm's `speed_ratio` is read from its own samples.
 
     arms = [Arm("served", full_vocab_drafter), Arm("token_map", map_drafter), Arm("ngram", NgramDrafter(gamma=7))]
     reference = decode_interleaved(target, arms, prompt, ids, i, Decoding(gamma=7, max_new_tokens=128,
-                                   temperature=0.0, eos_token_id=eos, seed=i))
+                                   eos_token_id=eos, seed=i))   # eval/spec_decode.py Decoding
     speed_ratio(arms[2].samples)   # lookup's tokens/s over the plain loop's, beside it
 """
 
@@ -19,18 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from eval.compare import record_source
-from eval.spec_decode import Drafter, GenerationResult, is_greedy, speculative_generate, target_generate
-
-
-@dataclass(frozen=True)
-class Decoding:
-    """How a prompt is decoded, by every arm and by the plain loop around them (the seed: this prompt's)."""
-
-    gamma: int
-    max_new_tokens: int
-    temperature: float
-    eos_token_id: int | None
-    seed: int
+from eval.spec_decode import Decoding, Drafter, GenerationResult, is_greedy, speculative_generate, target_generate
 
 
 @dataclass
@@ -63,16 +52,14 @@ class PlainLoop:
 
 def decode_interleaved(target, arms: list[Arm], prompt, ids: list[int], index: int, how: Decoding,
                        plain: PlainLoop | None = None) -> GenerationResult:
-    """Decode `ids` plainly, then with every arm (reversed on odd `index`), then plainly again; each arm's sample of
-    the prompt gets its decode time beside the mean of the two plain ones (`plain_s`). Returns the first plain decode:
-    the reference the arms' outputs must equal at T=0."""
+    """Decode `ids` plainly, then with every arm (reversed on odd `index`), then plainly again, each as `how` says
+    (its seed: this prompt's); each arm's sample of the prompt gets its decode time beside the mean of the two plain
+    ones (`plain_s`). Returns the first plain decode: the reference the arms' outputs must equal at T=0."""
     temperature = how.temperature
     before = target_generate(target, ids, how.max_new_tokens, temperature, how.eos_token_id, seed=how.seed)
     results = {}
     for arm in arms if index % 2 == 0 else list(reversed(arms)):
-        results[arm.name] = speculative_generate(target, arm.drafter, ids, gamma=how.gamma,
-                                                 max_new_tokens=how.max_new_tokens, temperature=temperature,
-                                                 eos_token_id=how.eos_token_id, seed=how.seed, schedule=arm.schedule)
+        results[arm.name] = speculative_generate(target, arm.drafter, ids, how, schedule=arm.schedule)
         arm.copied_rounds += getattr(arm.drafter, "copied_rounds", 0)
     after = target_generate(target, ids, how.max_new_tokens, temperature, how.eos_token_id, seed=how.seed)
     plain_s = (before.wall_s + after.wall_s) / 2

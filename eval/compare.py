@@ -1,6 +1,7 @@
 """Two drafters on the same prompts: the ratio of their taus with a paired 90% bootstrap interval, overall, per prompt
-source and for a copy-heavy / rest split. One home for eval/run.py's report (the draft against the n-gram drafter in
-the real loop) and the benchmarks' (benchmarks/quality.py: replayed drafts against replayed prompt lookup).
+source and for a copy-heavy / rest split. One home for the eval report's (eval/report.py: the draft against the
+n-gram drafter in the real loop) and the benchmarks' (benchmarks/quality.py: replayed drafts against replayed prompt
+lookup).
 
 A tally is one drafter's {"per_record_tokens": [...], "per_record_rounds": [...]}, record by record in the same order
 for every drafter compared: the tokens its rounds gave (accepted drafts + 1 each) and its rounds, so that tau over any
@@ -41,7 +42,7 @@ def record_source(prompt_id: str) -> str:
 
 
 def tally(samples: list[dict]) -> dict:
-    """The tally of eval/run.py's per-prompt samples (each with its `round_tokens` and `rounds`)."""
+    """The tally of eval/arms.py's per-prompt samples (each with its `round_tokens` and `rounds`)."""
     return {"per_record_tokens": [s["round_tokens"] for s in samples],
             "per_record_rounds": [s["rounds"] for s in samples]}
 

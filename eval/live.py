@@ -35,8 +35,9 @@ from core.io import atomic_write_json, atomic_write_text, make_dir
 from core.server import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, LiveServer, ServerStartError,
                          default_engine_python, engine_python_problem, free_port)
 from data.prompts import eval_prompts
-from eval.run import acceptance_metrics, first_turn_ids
-from eval.spec_decode import load_draft, speculative_generate
+from eval.report import acceptance_metrics
+from eval.run import EvalDecode, first_turn_ids
+from eval.spec_decode import Decoding, is_greedy, load_draft, speculative_generate
 from export.convert import ExportJob, export_draft
 from export.serving import (ServedDraft, declared_dtype, detect_algorithm, local_gpu_capability, ragged_verify_backend,
                             sglang_command, sglang_dtype, sglang_env, sglang_serving_files, vllm_command)
@@ -193,19 +194,50 @@ VLLM_CPU_DFLASH2 = ("vLLM 0.32 serves a DFlash2 draft's candidate selector only 
                     "same: python export/main.py --to vllm), or measure it offline (eval.py without --live)")
 
 
-def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, out_dir: Path, num_samples: int,
-                  max_new_tokens: int, block_size: int | None = None, seed: int = 0, system_prompt: str | None = None,
-                  dataset_path: str | None = None, tolerance: float = DEFAULT_TOLERANCE,
-                  engine_python: str | None = None, dtype: str | None = None, startup_timeout: float = 900.0,
-                  server_args: tuple[str, ...] = (), enable_thinking: bool = False) -> dict:
-    """Export `draft` for `engine`, serve it, compare live and offline acceptance; writes OUT/report.json and .md."""
+@dataclass(frozen=True, kw_only=True)
+class LiveServing:
+    """How the live check serves the draft. engine: `vllm` or `sglang`. engine_python: the python that runs it
+    (None: .venv-vllm or $DRAFTSMITH_VLLM_PYTHON for vLLM, this one for SGLang). dtype: the served dtype (None:
+    float32 for vLLM on a CPU, so its numerics are the offline loop's; else the target's). startup_timeout: seconds
+    to wait for the server. server_args: extra arguments for its command line."""
+
+    engine: str
+    engine_python: str | None = None
+    dtype: str | None = None
+    startup_timeout: float = 900.0
+    server_args: tuple[str, ...] = ()
+
+
+def live_problem(decode: EvalDecode) -> str | None:
+    """What of `decode` the live check cannot do: the engines are asked greedily, every draft verified, without
+    lookup-first, as they serve it (over the whole vocabulary)."""
+    if not is_greedy(decode.temperature):
+        return f"--live compares greedy decoding only: drop --temperature (got {decode.temperature})"
+    offline_only = ([f"--schedule {decode.verify_schedule}"] if decode.verify_schedule != "fixed" else []) + (
+        [f"--lookup-first {decode.lookup_first}"] if decode.lookup_first else [])
+    if offline_only:
+        return (f"--live serves the draft as the engine does (every draft verified, no prompt lookup): drop "
+                f"{' and '.join(offline_only)}, measured offline (eval.py without --live)")
+    return None
+
+
+def run_live_eval(decode: EvalDecode, serving: LiveServing, out_dir: Path,
+                  tolerance: float = DEFAULT_TOLERANCE) -> dict:
+    """Export `decode.draft` for `serving.engine`, serve it, compare live and offline acceptance on decode's prompts
+    (greedy, every draft verified); writes OUT/report.json and .md, `within_tolerance` when the taus differ by at
+    most `tolerance`."""
+    engine, engine_python, dtype = serving.engine, serving.engine_python, serving.dtype
+    server_args, target_name, max_new_tokens = tuple(serving.server_args), decode.target_name, decode.max_new_tokens
     if engine not in ENGINES:
         raise ValueError(f"--engine {engine!r}: expected one of {', '.join(ENGINES)}")
+    problem = live_problem(decode)
+    if problem:
+        raise ValueError(problem)
     out_dir = Path(out_dir)
     make_dir(out_dir)
-    draft_dir = Path(draft)
+    draft_dir = Path(decode.draft)
     if not (draft_dir / "config.json").is_file():
-        raise ValueError(f"--live needs a trained draft folder (config.json + model.safetensors); got {draft!r}")
+        raise ValueError(f"--live needs a trained draft folder (config.json + model.safetensors); got {decode.draft!r}")
     problem = engine_python_problem(engine, engine_python, "--engine-python")
     if problem:  # before minutes of offline decoding
         raise ServerStartError(problem)
@@ -216,17 +248,21 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     target_path = resolve_target(target_name)
 
     # Offline first: it also fixes gamma and the prompt ids the server gets. fp32 on CPU, like the served default.
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = decode.device or ("cuda" if torch.cuda.is_available() else "cpu")
     target = load_target(target_name, device)
-    tokenizer = load_tokenizer(target_name)
-    drafter = load_draft(draft_dir, target, full_vocab=True)  # the engines draft over the whole vocabulary
-    gamma = block_size or drafter.default_gamma
-    prompts = eval_prompts(dataset, num_samples, seed, path=dataset_path)
-    prompt_ids = [first_turn_ids(tokenizer, p, system_prompt, enable_thinking) for p in prompts]
+    tokenizer = load_tokenizer(target_name, decode.chat_template)
+    # the engines draft over the whole vocabulary
+    drafter = load_draft(draft_dir, target, any_target=decode.any_target, full_vocab=True)
+    gamma = decode.block_size or drafter.default_gamma
+    prompts = eval_prompts(decode.dataset, decode.num_samples, decode.seed, path=decode.dataset_path,
+                           holdout_fraction=decode.holdout_fraction)
+    prompt_ids = [first_turn_ids(tokenizer, p, decode.system_prompt, decode.enable_thinking) for p in prompts]
+    # greedy, the first token from the prefill as both engines take it: the server's rounds, one for one
+    how = Decoding(max_new_tokens=max_new_tokens, gamma=gamma, eos_token_id=tokenizer.eos_token_id, seed=decode.seed,
+                   first_token_from_prefill=True)
     offline_outputs, offline_rounds, offline_counts = [], [], []
     for ids in prompt_ids:
-        result = speculative_generate(target, drafter, ids, gamma=gamma, max_new_tokens=max_new_tokens,
-                                      eos_token_id=tokenizer.eos_token_id, seed=seed, first_token_from_prefill=True)
+        result = speculative_generate(target, drafter, ids, how)
         offline_outputs.append(result.ids)
         offline_rounds += result.rounds
         offline_counts.append((len(result.rounds), sum(r.accepted for r in result.rounds)))
@@ -261,7 +297,7 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     live_outputs, per_request = [], []
     start = time.monotonic()
     with LiveServer(argv, port=port, log_path=out_dir / f"{engine}-server.log", env=env,
-                    startup_timeout=startup_timeout) as server:
+                    startup_timeout=serving.startup_timeout) as server:
         t0 = time.monotonic()
         for ids in prompt_ids:  # one at a time: no batching effects on the numerics
             out, counters = generate(server, target_path, ids, max_new_tokens)
@@ -283,7 +319,8 @@ def run_live_eval(*, engine: str, draft: str, target_name: str, dataset: str, ou
     same_rounds = [a == b for a, b in zip(live_counts, offline_counts)]
     report = {
         "engine": engine, "algorithm": algorithm, "draft": str(draft_dir), "served_draft": str(served),
-        "target": target_name, "dataset": dataset, "num_samples": len(prompt_ids), "max_new_tokens": max_new_tokens,
+        "target": target_name, "dataset": decode.dataset, "num_samples": len(prompt_ids),
+        "max_new_tokens": max_new_tokens,
         "num_speculative_tokens": gamma, "server_command": server.command,  # secret flag values redacted
         "dtype": dtype,
         "live": live,

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from eval.run import acceptance_metrics
+from eval.report import acceptance_metrics
 from eval.lookup import NgramDrafter, lookup_first_matches, lookup_proposals
 from train.rollout import answer_span, draft_matches, replay_rounds
 
 
 def replay_records(model, records, gamma: int, max_new_tokens: int | None = None, eos_token_id=None) -> dict:
-    """Replayed T=0 acceptance over the first answer of every record: the report fields of eval/run.py
+    """Replayed T=0 acceptance over the first answer of every record: the report fields of eval/report.py
     (accept_len, accept_rate_at_k, cond_accept_rate_at_k, verify_rate, num_rounds) plus per-record taus (and the
     tokens and rounds behind them), for a drafter other than prompt lookup the per-round oracle chooser between the
     two (`oracle`: its replayed_tau and per-record tokens and rounds) and the lookup-first rule at each match length

@@ -469,6 +469,19 @@ def verify_sampling(draft_tokens: list[int], draft_probs: torch.Tensor | None, t
 # Results and the loops
 
 
+@dataclass(frozen=True, kw_only=True)
+class Decoding:
+    """How one prompt is decoded, by the speculative loop and by the plain loop beside it (eval/arms.py)."""
+
+    max_new_tokens: int  # the output budget (the last round is cut at it)
+    gamma: int | None = None  # drafts proposed a round; None: the drafter's default_gamma
+    temperature: float = 0.0  # below GREEDY_BELOW greedy, else rejection sampling
+    eos_token_id: int | list[int] | None = None  # the id(s) that end the output; None: only the budget does
+    seed: int = 0  # this decode's torch.Generator (every random draw)
+    # the first output token from the prompt's forward pass, no draft, as SGLang and vLLM do (eval/live.py's rounds)
+    first_token_from_prefill: bool = False
+
+
 @dataclass
 class RoundRecord:
     proposed: int  # drafts verified this round
@@ -516,35 +529,26 @@ def _emit(out: list[int], new: list[int], max_new_tokens: int, eos: set[int]) ->
 
 
 @torch.inference_mode()
-def speculative_generate(target, drafter: Drafter, prompt_ids, *, gamma: int | None = None, max_new_tokens: int,
-                         temperature: float = 0.0, eos_token_id=None, seed: int = 0,
-                         layer_ids=None, first_token_from_prefill: bool = False,
+def speculative_generate(target, drafter: Drafter, prompt_ids, how: Decoding, *,
                          schedule: Callable[[list[float]], int] | None = None) -> GenerationResult:
-    """Generate from `target` with `drafter` proposing up to gamma tokens per round (gamma None: the drafter's
-    default). `layer_ids` defaults to the drafter's; when both are given they must agree.
-
-    schedule: called with each round's draft confidences, returns how many of the drafts to verify (DSpark's
-    verify scheduler, eval/scheduler.py VerifySchedule); None verifies them all.
-
-    first_token_from_prefill: take the first output token from the prompt's forward pass, with no draft, as SGLang
-    and vLLM do; drafting starts from the second token (eval/live.py compares rounds with a server this way)."""
+    """Generate from `target` with `drafter` proposing up to how.gamma tokens per round, decoding as `how` says; the
+    target's runner captures the layers the drafter reads (drafter.layer_ids). schedule: called with each round's
+    draft confidences, returns how many of the drafts to verify (DSpark's verify scheduler, eval/scheduler.py
+    VerifySchedule); None verifies them all."""
+    max_new_tokens, temperature = how.max_new_tokens, how.temperature
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("the prompt must hold at least one token")
-    if layer_ids is None:
-        layer_ids = drafter.layer_ids
-    elif drafter.layer_ids and list(layer_ids) != list(drafter.layer_ids):
-        raise ValueError(f"layer_ids {list(layer_ids)} differ from the drafter's {drafter.layer_ids}")
-    gamma = drafter.default_gamma if gamma is None else gamma
-    eos, greedy = _eos_set(eos_token_id), is_greedy(temperature)
+    gamma = drafter.default_gamma if how.gamma is None else how.gamma
+    eos, greedy = _eos_set(how.eos_token_id), is_greedy(temperature)
     device = _device(target)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(how.seed)
     result = GenerationResult([])
     start = sync_clock(device)
     if max_new_tokens <= 0:
         return result
-    with TargetRunner(target, layer_ids) as runner:
-        if first_token_from_prefill:
+    with TargetRunner(target, drafter.layer_ids) as runner:
+        if how.first_token_from_prefill:
             logits, hidden = runner.forward(prompt, logits="last")
             first, _ = pick(logits[-1], temperature, generator)
             tokens = prompt + [first]

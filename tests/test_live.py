@@ -18,6 +18,7 @@ import ast
 import http.server
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -144,14 +145,35 @@ def test_group_never_emptying_does_not_hang_stop(tmp_path, monkeypatch, capsys):
 
 
 def test_missing_engine_python_fails_before_any_work(tmp_path):
-    from eval.live import run_live_eval
+    from eval.live import LiveServing, run_live_eval
+    from eval.run import EvalDecode
 
     (tmp_path / "draft").mkdir()
     (tmp_path / "draft" / "config.json").write_text("{}")
     with pytest.raises(ServerStartError, match="make venv-vllm"):
-        run_live_eval(engine="vllm", draft=str(tmp_path / "draft"), target_name="smollm2-135m-instruct",
-                      dataset="mtbench", out_dir=tmp_path / "out", num_samples=1, max_new_tokens=4,
-                      engine_python=str(tmp_path / "no-such-python"))
+        run_live_eval(EvalDecode(draft=str(tmp_path / "draft"), target_name="smollm2-135m-instruct",
+                                 dataset="mtbench", num_samples=1, max_new_tokens=4),
+                      LiveServing(engine="vllm", engine_python=str(tmp_path / "no-such-python")), tmp_path / "out")
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("temperature", 0.7, "--live compares greedy decoding only"),
+    ("lookup_first", 2, "drop --lookup-first 2, measured offline"),
+    ("verify_schedule", "confidence", "drop --schedule confidence, measured offline"),
+])
+def test_live_refuses_what_no_engine_serves_before_any_work(tmp_path, field, value, fragment):
+    """run_live_eval reads the offline eval's EvalDecode: what the engines do not serve (sampling, the confidence
+    schedule, lookup-first) is refused before the target loads or anything is written, not silently dropped."""
+    from eval.live import LiveServing, run_live_eval
+    from eval.run import EvalDecode
+
+    (tmp_path / "draft").mkdir()
+    (tmp_path / "draft" / "config.json").write_text("{}")
+    decode = EvalDecode(draft=str(tmp_path / "draft"), target_name="smollm2-135m-instruct", dataset="mtbench",
+                        num_samples=1, max_new_tokens=4, **{field: value})
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        run_live_eval(decode, LiveServing(engine="vllm"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -428,7 +450,8 @@ def test_the_offline_target_is_freed_before_the_engine_starts(tiny_qwen3, prompt
     monkeypatch.setattr(live, "export_draft", export_draft)
     monkeypatch.setattr(live.torch.cuda, "empty_cache", lambda: emptied.append(loaded[0]() is None))
     with pytest.raises(Stop):
-        live.run_live_eval(engine="sglang", draft=str(tmp_path / "draft"), target_name=str(tiny_qwen3),
-                           dataset=str(prompt_file), out_dir=tmp_path / "out", num_samples=1, max_new_tokens=4)
+        live.run_live_eval(live.EvalDecode(draft=str(tmp_path / "draft"), target_name=str(tiny_qwen3),
+                                           dataset=str(prompt_file), num_samples=1, max_new_tokens=4),
+                           live.LiveServing(engine="sglang"), tmp_path / "out")
     assert seen == {"target_alive": False, "emptied": 1}
     assert emptied == [True]  # emptied once the target was gone: the allocator can hand its blocks back

@@ -250,7 +250,7 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_keeps_its_bytes(tm
 
 def test_writers_replace_a_link_at_the_final_or_scratch_path_never_writing_through_it(tmp_path):
     from core.io import atomic_write_bytes, atomic_write_text, open_append, open_new, publish_dir, LinkedPathError
-    from eval.run import plot_acceptance
+    from eval.report import plot_acceptance
 
     out = tmp_path / "out"
     out.mkdir()

@@ -26,7 +26,8 @@ from core.server_procs import tagged_processes
 from core.recipe import load_recipe
 from data.capture import open_cache
 from eval.replay import replay_records
-from eval.run import EvalSettings, run_eval
+from eval.report import ReportSettings
+from eval.run import EvalDecode, run_eval
 from modeling.registry import load_draft_model
 from modeling.target import load_tokenizer
 
@@ -38,10 +39,11 @@ def test_each_family_memorises_its_training_answers(family, overfit_drafts, tmp_
     gate = overfit_drafts
     final = gate.draft(family)  # trained here, or already by the live vLLM check (the same session fixture)
     recipe = load_recipe(f"{family}_smollm2_135m_overfit")
-    report = run_eval(EvalSettings(draft=str(final), target_name="smollm2-135m-instruct", dataset=str(gate.prompts),
-                                   out_dir=tmp_path / "eval", num_samples=0, temperature=0.0, block_size=7,
-                                   max_new_tokens=recipe.eval.max_new_tokens, scheduler=False),
-                      target=gate.target, baselines=gate.baselines)
+    report = run_eval(EvalDecode(draft=str(final), target_name="smollm2-135m-instruct", dataset=str(gate.prompts),
+                                 num_samples=0, temperature=0.0, block_size=7,
+                                 max_new_tokens=recipe.eval.max_new_tokens),
+                      ReportSettings(out_dir=tmp_path / "eval", scheduler=False), target=gate.target,
+                      baselines=gate.baselines)
     rates = ", ".join(f"{v:.2f}" for v in report["accept_rate_at_k"])
     record_property("figure", f"overfit gate {family}: tau {report['accept_len']:.3f} on its {report['num_samples']} "
                               f"training prompts (gate {GATE_TAU}), accept@k {rates}")

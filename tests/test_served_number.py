@@ -11,8 +11,9 @@ from core.recipe import load_recipe
 from data.prompts import eval_prompts
 from eval import arms as arms_module
 from eval.arms import speed_ratio
-from eval.run import EvalSettings, first_turn_ids, run_eval
-from eval.spec_decode import DSparkDrafter, speculative_generate, target_generate
+from eval.report import ReportSettings
+from eval.run import EvalDecode, first_turn_ids, run_eval
+from eval.spec_decode import Decoding, DSparkDrafter, speculative_generate, target_generate
 from modeling.registry import load_draft_model, save_draft
 from modeling.target import load_target, load_tokenizer
 from train.algorithms import BlockAlgorithm
@@ -56,8 +57,8 @@ def test_the_full_vocabulary_drafter_drafts_outside_the_map(mapped_draft, tiny_q
         drafter.propose = lambda *a, _p=propose, _n=name: proposed[_n].append(_p(*a)) or proposed[_n][-1]
         for i, prompt in enumerate(eval_prompts(str(prompt_file), PROMPTS, 0)):
             ids = first_turn_ids(tokenizer, prompt, None, False)
-            result = speculative_generate(target, drafter, ids, gamma=GAMMA, max_new_tokens=TOKENS,
-                                          eos_token_id=tokenizer.eos_token_id, seed=i)
+            result = speculative_generate(target, drafter, ids, Decoding(gamma=GAMMA, max_new_tokens=TOKENS,
+                                                                         eos_token_id=tokenizer.eos_token_id, seed=i))
             assert result.ids == answers[i]  # lossless in both modes
             if name == "map":
                 assert all(r.accepted == 0 for r in result.rounds)  # nothing in the map is ever the target's token
@@ -70,9 +71,9 @@ def test_the_full_vocabulary_drafter_drafts_outside_the_map(mapped_draft, tiny_q
 def test_eval_headlines_the_served_draft_with_the_map_beside_it(mapped_draft, tiny_qwen3, prompt_file, tmp_path,
                                                                 temperature):
     path, token_map, _ = mapped_draft
-    report = run_eval(EvalSettings(draft=str(path), target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                   out_dir=tmp_path, num_samples=PROMPTS, temperature=temperature, block_size=GAMMA,
-                                   max_new_tokens=TOKENS, scheduler=False, ngram_baseline=True))
+    report = run_eval(EvalDecode(draft=str(path), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                                 num_samples=PROMPTS, temperature=temperature, block_size=GAMMA, max_new_tokens=TOKENS),
+                      ReportSettings(out_dir=tmp_path, scheduler=False, ngram_baseline=True))
     mapped = report["token_map"]
     assert report["draft_vocab_size"] is None and mapped["draft_vocab_size"] == len(token_map)
     assert [s["id"] for s in mapped["samples"]] == [s["id"] for s in report["samples"]]
@@ -92,9 +93,9 @@ def test_eval_headlines_the_served_draft_with_the_map_beside_it(mapped_draft, ti
     assert "| served (full vocabulary) |" in text and f"| with its {len(token_map)}-token map |" in text
     assert "| n-gram |" in text and "## Decode speed over the plain loop per source" in text
     # --full-vocab skips the map's pass: the headline is the same drafter's
-    alone = run_eval(EvalSettings(draft=str(path), target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                  out_dir=tmp_path / "alone", num_samples=PROMPTS, temperature=temperature,
-                                  block_size=GAMMA, max_new_tokens=TOKENS, scheduler=False, full_vocab=True))
+    alone = run_eval(EvalDecode(draft=str(path), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                                num_samples=PROMPTS, temperature=temperature, block_size=GAMMA, max_new_tokens=TOKENS,
+                                full_vocab=True), ReportSettings(out_dir=tmp_path / "alone", scheduler=False))
     assert "token_map" not in alone and alone["draft_vocab_size"] is None
     assert alone["accept_len"] == report["accept_len"]
 
@@ -121,9 +122,9 @@ def test_every_speed_is_over_the_plain_decodes_beside_it(mapped_draft, tiny_qwen
 
     monkeypatch.setattr(arms_module, "target_generate", plain)
     monkeypatch.setattr(arms_module, "speculative_generate", spec)
-    report = run_eval(EvalSettings(draft=str(path), target_name=str(tiny_qwen3), dataset=str(prompt_file),
-                                   out_dir=tmp_path, num_samples=PROMPTS, temperature=0.0, block_size=GAMMA,
-                                   max_new_tokens=TOKENS, scheduler=False, ngram_baseline=True))
+    report = run_eval(EvalDecode(draft=str(path), target_name=str(tiny_qwen3), dataset=str(prompt_file),
+                                 num_samples=PROMPTS, temperature=0.0, block_size=GAMMA, max_new_tokens=TOKENS),
+                      ReportSettings(out_dir=tmp_path, scheduler=False, ngram_baseline=True))
     assert len(calls) == 5 * PROMPTS
     ngram = json.loads((tmp_path / "ngram" / "report.json").read_text())
     for i in range(PROMPTS):

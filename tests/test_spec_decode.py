@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eval.spec_decode import (
+    Decoding,
     DSparkDrafter,
     DraftLMDrafter,
     Drafter,
@@ -146,7 +147,7 @@ def test_greedy_is_lossless(target, name):
     accepted, partial = 0, 0
     for prompt in PROMPTS:
         ref = target_generate(target, prompt, 24)
-        spec = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24)
+        spec = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=24))
         assert spec.ids == ref.ids, f"{name}, prompt {prompt}"
         accepted += sum(r.accepted for r in spec.rounds)
         partial += sum(0 < r.accepted < r.proposed for r in spec.rounds)
@@ -154,13 +155,14 @@ def test_greedy_is_lossless(target, name):
         # EOS mid-generation: the token emitted at step 6 becomes EOS; output stops right after it.
         eos = ref.ids[6]
         ref_eos = target_generate(target, prompt, 24, eos_token_id=eos)
-        spec_eos = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24, eos_token_id=eos)
+        spec_eos = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=24,
+                                                                          eos_token_id=eos))
         assert spec_eos.ids == ref_eos.ids and spec_eos.ids[-1] == eos and len(spec_eos.ids) <= 7
-        spec_short = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=13)
+        spec_short = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=13))
         assert spec_short.ids == ref.ids[:13]
         # As the serving engines do (eval/live.py): the first token comes from the prefill, with no round.
-        spec_prefill = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24,
-                                            first_token_from_prefill=True)
+        spec_prefill = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=24,
+                                                                              first_token_from_prefill=True))
         assert spec_prefill.ids == ref.ids and sum(r.emitted for r in spec_prefill.rounds) == len(ref.ids) - 1
         if name in ("dspark", "dspark-rnn"):
             conf = [c for r in spec.rounds for c in r.confidences]
@@ -197,34 +199,35 @@ def test_confidence_schedule_stays_lossless_and_verifies_what_it_admits(target):
     for prompt in PROMPTS:
         ref = target_generate(target, prompt, 24)
         start = len(decided)
-        spec = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=24, schedule=recording)
+        spec = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=24),
+                                    schedule=recording)
         assert spec.ids == ref.ids, prompt
         assert [r.proposed for r in spec.rounds] == [n for _, n in decided[start:]]
         assert all(r.confidences == conf[: r.proposed] for r, (conf, _) in zip(spec.rounds, decided[start:]))
     lengths = {n for _, n in decided}
     assert 0 in lengths and len(lengths) >= 3, lengths
     with pytest.raises(ValueError, match="confidences"):  # a drafter without a confidence head cannot be scheduled
-        speculative_generate(target, make_drafter("dflash", target), PROMPTS[1], gamma=GAMMA, max_new_tokens=4,
-                             schedule=schedule)
+        speculative_generate(target, make_drafter("dflash", target), PROMPTS[1],
+                             Decoding(gamma=GAMMA, max_new_tokens=4), schedule=schedule)
 
 
 def test_oracle_accepts_everything_and_wrong_accepts_nothing(target):
     prompt, budget = PROMPTS[1], 13
     reference = target_generate(target, prompt, budget + GAMMA + 1).ids
-    oracle = speculative_generate(target, ScriptedDrafter(prompt, reference), prompt, gamma=GAMMA,
-                                  max_new_tokens=budget)
+    oracle = speculative_generate(target, ScriptedDrafter(prompt, reference), prompt,
+                                  Decoding(gamma=GAMMA, max_new_tokens=budget))
     assert oracle.ids == reference[:budget]
     assert [r.accepted for r in oracle.rounds] == [GAMMA] * 3
     assert all(r.accept_flags == [True] * GAMMA for r in oracle.rounds)
     # 13 = 5 + 5 + 3: tau = gamma+1 per round, and the last round is cut mid-round at the budget.
     assert [r.emitted for r in oracle.rounds] == [GAMMA + 1, GAMMA + 1, 3]
     assert oracle.accept_len == GAMMA + 1
-    prefill = speculative_generate(target, ScriptedDrafter(prompt, reference), prompt, gamma=GAMMA,
-                                   max_new_tokens=budget, first_token_from_prefill=True)
+    prefill = speculative_generate(target, ScriptedDrafter(prompt, reference), prompt,
+                                   Decoding(gamma=GAMMA, max_new_tokens=budget, first_token_from_prefill=True))
     assert prefill.ids == reference[:budget] and [r.emitted for r in prefill.rounds] == [GAMMA + 1, GAMMA + 1, 2]
 
-    wrong = speculative_generate(target, ScriptedDrafter(prompt, reference, wrong=True), prompt, gamma=GAMMA,
-                                 max_new_tokens=budget)
+    wrong = speculative_generate(target, ScriptedDrafter(prompt, reference, wrong=True), prompt,
+                                 Decoding(gamma=GAMMA, max_new_tokens=budget))
     assert wrong.ids == reference[:budget]
     assert len(wrong.rounds) == budget and wrong.accept_len == 1.0
     assert all(r.proposed == GAMMA and r.accept_flags == [False] * GAMMA for r in wrong.rounds)
@@ -236,8 +239,8 @@ def test_draft_lm_copy_of_target_is_always_accepted(target):
     prompt = PROMPTS[1]
     for temperature in (0.0, 1.0):
         drafter = DraftLMDrafter(make_draft_lm(target, noise=0.0), vocab_size=V)
-        result = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=23,
-                                      temperature=temperature, seed=5)
+        result = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=23,
+                                                                        temperature=temperature, seed=5))
         assert [r.accepted for r in result.rounds] == [GAMMA] * 5 and len(result.ids) == 23
         if temperature == 0:
             assert result.ids == target_generate(target, prompt, 23).ids
@@ -261,7 +264,7 @@ def test_drafter_context_is_the_verified_hidden_states(target):
     """The context a drafter accumulates (prefill + accepted rows per round) equals the recipe layers' outputs of
     one full target pass over the verified tokens, position by position."""
     spy = SpyDrafter()
-    result = speculative_generate(target, spy, PROMPTS[2], gamma=GAMMA, max_new_tokens=30)
+    result = speculative_generate(target, spy, PROMPTS[2], Decoding(gamma=GAMMA, max_new_tokens=30))
     assert any(r.accepted > 0 for r in result.rounds) and any(r.accepted < r.proposed for r in result.rounds)
     rows = torch.cat(spy.rows)
     ids = torch.tensor([spy.tokens[:-1]])
@@ -273,8 +276,8 @@ def test_drafter_context_is_the_verified_hidden_states(target):
 def test_kv_cache_rollback(target):
     prompt = PROMPTS[1]
     reference = target_generate(target, prompt, 10).ids
-    result = speculative_generate(target, ScriptedDrafter(prompt, reference, wrong=True), prompt, gamma=GAMMA,
-                                  max_new_tokens=10)
+    result = speculative_generate(target, ScriptedDrafter(prompt, reference, wrong=True), prompt,
+                                  Decoding(gamma=GAMMA, max_new_tokens=10))
     emitted = 0
     for r in result.rounds:  # every round verified gamma+1 tokens, rejected all drafts, kept only the pending one
         emitted += r.emitted
@@ -498,7 +501,7 @@ def test_load_draft_round_trip(target, tmp_path):
     assert isinstance(loaded, Eagle3Drafter) and torch.equal(loaded.model.d2t, eagle.d2t)
     torch.testing.assert_close(loaded.model.lm_head.weight, eagle.lm_head.weight.double())
     prompt = PROMPTS[2]
-    assert speculative_generate(target, loaded, prompt, gamma=3, max_new_tokens=8).ids == \
+    assert speculative_generate(target, loaded, prompt, Decoding(gamma=3, max_new_tokens=8)).ids == \
         target_generate(target, prompt, 8).ids
 
     (tmp_path / "bad").mkdir()
@@ -600,8 +603,8 @@ def test_sampled_output_matches_target_distribution(one_hot, gamma, runs):
     counts = torch.zeros(64, dtype=torch.float64)
     first_accepts = torch.zeros(gamma + 1)
     for seed in range(runs):
-        result = speculative_generate(target8, drafter, prompt, gamma=gamma, max_new_tokens=2, temperature=1.0,
-                                      seed=seed)
+        result = speculative_generate(target8, drafter, prompt,
+                                      Decoding(gamma=gamma, max_new_tokens=2, temperature=1.0, seed=seed))
         counts[result.ids[0] * 8 + result.ids[1]] += 1
         first_accepts[result.rounds[0].accepted] += 1
     assert (first_accepts[0] > runs / 20) and (first_accepts[1:].sum() > runs / 20), first_accepts
@@ -644,7 +647,7 @@ def test_replay_gives_the_loops_rounds(name, target):
         drafter = make_drafter(name, target)
     gamma = 3 if name == "eagle3" else GAMMA
     for prompt in PROMPTS[1:]:
-        result = speculative_generate(target, drafter, prompt, gamma=gamma, max_new_tokens=40)
+        result = speculative_generate(target, drafter, prompt, Decoding(gamma=gamma, max_new_tokens=40))
         assert result.ids == target_generate(target, prompt, 40).ids
         ids = torch.tensor([prompt + result.ids])
         hidden, _ = capture_hidden_states(target, ids, torch.ones_like(ids), LAYER_IDS)
@@ -673,7 +676,7 @@ def test_replay_stops_at_the_end_of_turn_token_like_the_loop(target):
     prompt = PROMPTS[1]
     full = target_generate(target, prompt, 40).ids
     eos = full[25]
-    stopped = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=40, eos_token_id=eos)
+    stopped = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=40, eos_token_id=eos))
     assert stopped.ids == full[: full.index(eos) + 1]
     ids = torch.tensor([prompt + full])
     hidden, _ = capture_hidden_states(target, ids, torch.ones_like(ids), LAYER_IDS)
@@ -696,7 +699,7 @@ def test_ngram_replay_gives_the_loops_rounds(gamma, target):
 
     records, accepted = [], 0
     for prompt in PROMPTS + [[4, 5, 6, 4, 5, 6, 4, 5]]:  # a repeating prompt: lookup proposes from the start
-        result = speculative_generate(target, NgramDrafter(), prompt, gamma=gamma, max_new_tokens=40)
+        result = speculative_generate(target, NgramDrafter(), prompt, Decoding(gamma=gamma, max_new_tokens=40))
         ids = prompt + result.ids
         record = {"input_ids": torch.tensor(ids), "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(result.ids))}
         replayed = replay_rounds(lookup_matches(ids, gamma), *answer_span(record), gamma)
@@ -722,7 +725,7 @@ def test_lookup_first_is_lossless_and_replays_the_loops_rounds(min_n, target):
     drafter = LookupFirstDrafter(inner, min_n=min_n)
     copied = drafted = 0
     for prompt in PROMPTS[1:] + [[4, 5, 6, 4, 5, 6, 4, 5]]:
-        result = speculative_generate(target, drafter, prompt, gamma=GAMMA, max_new_tokens=40)
+        result = speculative_generate(target, drafter, prompt, Decoding(gamma=GAMMA, max_new_tokens=40))
         assert result.ids == target_generate(target, prompt, 40).ids
         copied, drafted = copied + drafter.copied_rounds, drafted + len(result.rounds) - drafter.copied_rounds
         ids = torch.tensor([prompt + result.ids])
