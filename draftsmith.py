@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     return argparse.ArgumentParser(
         prog="draftsmith", formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="draftsmith {train,eval,export,recipes} [ARGS ...]",
-        description="Train speculative-decoding drafters (DFlash, DSpark, Eagle3) for a target LLM, measure them "
+        description="Train speculative-decoding drafters (DFlash, DSpark, DFlash2, Eagle3) for a target LLM, measure them "
                     "beside prompt lookup, export them for SGLang and vLLM.\n\ncommands:\n" + "\n".join(lines),
         epilog="`draftsmith COMMAND --help` shows a command's flags. Several ranks: torchrun --nproc_per_node N -m "
                "draftsmith train --recipe NAME (from the repository root).")
