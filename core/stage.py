@@ -78,12 +78,13 @@ def pinned(stage_dir: Path) -> dict:
     return read_json(path) if own_file(path) else {}
 
 
-def _changes(stage_dir: Path, settings: dict) -> dict[str, str]:
-    """{dotted key: what differs} between `settings` and the ones pinned to `stage_dir` (nothing pinned: nothing)."""
+def _changes(stage_dir: Path, settings: dict, noted: frozenset = frozenset()) -> dict[str, str]:
+    """{dotted key: what differs} between `settings` and the ones pinned to `stage_dir` (nothing pinned: nothing).
+    A key in `noted` (the stage's notes) says what its absence from a folder means, so it always counts."""
     if not own_file(Path(stage_dir) / SETTINGS_NAME):
         return {}
     old, new = _flatten(pinned(stage_dir)), _flatten(json.loads(json.dumps(settings)))
-    added_at_default = {k for k in set(new) - set(old) if new[k] == _recipe_defaults().get(k, _NO_DEFAULT)}
+    added_at_default = {k for k in set(new) - set(old) - noted if new[k] == _recipe_defaults().get(k, _NO_DEFAULT)}
     return {k: f"{k}: {old.get(k)!r} in the folder, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k) and k not in added_at_default}
 
@@ -94,8 +95,10 @@ _NO_DEFAULT = object()
 def _recipe_defaults() -> dict:
     """{dotted recipe key: its default, as JSON reads it back}. A key pinned now but absent from a folder was added to
     DraftSmith after the folder was made; at its default it matches, since a new key's default keeps what runs did
-    before it existed (core/schema.py): an upgrade does not strand a half-trained run."""
-    return {row["key"]: json.loads(json.dumps(row["default"], default=str)) for row in recipe_keys() if "[]" not in row["key"]}
+    before it existed (core/schema.py): an upgrade does not strand a half-trained run. A key whose default changed
+    after it was added (cache.encoding) carries a stage note, and a note keeps the key counted."""
+    return {row["key"]: json.loads(json.dumps(row["default"], default=str))
+            for row in recipe_keys() if "[]" not in row["key"]}
 
 
 def begin(stage_dir: Path, settings: dict, is_main: bool = True, notes: dict[str, str] | None = None) -> None:
@@ -107,7 +110,7 @@ def begin(stage_dir: Path, settings: dict, is_main: bool = True, notes: dict[str
 
 def _check_and_pin(stage_dir: Path, settings: dict, is_main: bool, notes: dict[str, str] | None) -> None:
     """`begin` on a folder already checked for links."""
-    diff = _changes(stage_dir, settings)
+    diff = _changes(stage_dir, settings, frozenset(notes or ()))
     if diff:
         explained = [note for key, note in (notes or {}).items() if key in diff]
         raise StageMismatchError(
