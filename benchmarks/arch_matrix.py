@@ -311,6 +311,7 @@ def vllm_read(job: dict) -> dict:
 def engine_side(engine: str, request: Path) -> dict:
     import traceback
 
+    sys.path.insert(0, str(ROOT))  # core.server's free_port on either side
     if engine == "sglang":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
         sys.path.insert(0, str(ROOT / "tests"))
@@ -323,7 +324,6 @@ def engine_side(engine: str, request: Path) -> dict:
         from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-        sys.path.insert(0, str(ROOT))
         from core.server import free_port
 
         with set_current_vllm_config(VllmConfig()):

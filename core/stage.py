@@ -18,6 +18,7 @@ recipes; stages that only derive a report from what they pin (eval, export) run 
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -84,7 +85,8 @@ def _changes(stage_dir: Path, settings: dict, noted: frozenset = frozenset()) ->
     if not own_file(Path(stage_dir) / SETTINGS_NAME):
         return {}
     old, new = _flatten(pinned(stage_dir)), _flatten(json.loads(json.dumps(settings)))
-    added_at_default = {k for k in set(new) - set(old) - noted if new[k] == _recipe_defaults().get(k, _NO_DEFAULT)}
+    defaults = _recipe_defaults()
+    added_at_default = {k for k in set(new) - set(old) - noted if new[k] == defaults.get(k, _NO_DEFAULT)}
     return {k: f"{k}: {old.get(k)!r} in the folder, {new.get(k)!r} now" for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k) and k not in added_at_default}
 
@@ -92,6 +94,7 @@ def _changes(stage_dir: Path, settings: dict, noted: frozenset = frozenset()) ->
 _NO_DEFAULT = object()
 
 
+@functools.cache  # the schema is fixed for the process: walked once, not per key and folder
 def _recipe_defaults() -> dict:
     """{dotted recipe key: its default, as JSON reads it back}. A key pinned now but absent from a folder was added to
     DraftSmith after the folder was made; at its default it matches, since a new key's default keeps what runs did

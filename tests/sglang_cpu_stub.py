@@ -55,11 +55,9 @@ def init_single_process_dist() -> None:
     """SGLang's one-process groups (its layers want them even at tp=1) on a port found free now: SGLang's helper keeps
     an inherited MASTER_PORT, which a caller's own still-open group (a test process that trained) may hold."""
     import os
-    import socket
 
+    from core.server import free_port
     from sglang.test.layer_ut_utils import init_single_process_dist as sglang_init
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    os.environ["MASTER_PORT"] = str(free_port())
     sglang_init()

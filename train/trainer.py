@@ -46,6 +46,7 @@ from train.algorithms import (add_feature_noise, attach_hidden, get_algorithm, i
                               set_dropout)
 from core.dist import Dist, fault_point, init_process_group, process_group_backend
 from core.recipe import Recipe, shareable_recipe_dict
+from core.server import free_port
 
 
 # --- data order ---------------------------------------------------------------------------------------------------
@@ -121,13 +122,8 @@ class Engine:
             }
             if not torch.distributed.is_initialized():
                 # A plain `python train/main.py` run: DeepSpeed still wants a (one-process) torchrun-like setup.
-                import socket
-
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", 0))
-                    port = sock.getsockname()[1]
                 for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                                   ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+                                   ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
                     os.environ.setdefault(key, value)
                 # Our group, not DeepSpeed's own NCCL-only one with its own timeout: CPU collectives need gloo too.
                 init_process_group(dist.device)
