@@ -122,6 +122,23 @@ def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_sou
     return data_run, eval_run, eval_file, eval_sources, sources, data_s
 
 
+def finished_data(run: Path, out: Path, eval_per_source: int, gsm8k: Path | None, max_new_tokens: int, nproc: int,
+                  log: Path):
+    """prepare_data's returns for a finished pipeline run's regeneration and cache (e.g. the default recipe's run),
+    trained on as they are: its recipe names the sources, its stages' DONE.json the seconds they took."""
+    import yaml
+
+    for name in ("regen", "cache"):
+        if not (run / name / "DONE.json").is_file():
+            raise SystemExit(f"[quality] --train-run {run}: no finished {name} stage there ({run / name}/DONE.json); "
+                             f"run `train/main.py --out {run} --stages regenerate,cache` first")
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    sources = yaml.safe_dump(recipe["data"]["sources"], default_flow_style=True, width=10**6).strip()
+    data_s = sum(json.loads((run / stage / "DONE.json").read_text())["seconds"] for stage in ("regen", "cache"))
+    eval_run, eval_file, eval_sources = prepare_eval_data(out, eval_per_source, gsm8k, max_new_tokens, nproc, log)
+    return run, eval_run, eval_file, eval_sources, sources, data_s
+
+
 def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_new_tokens: int, nproc: int,
                       log: Path) -> tuple[Path, Path, list[str]]:
     """The held-out prompts (MT-bench, HumanEval, + GSM8K test) with their greedy answers regenerated and cached, to
@@ -203,20 +220,11 @@ def eval_records(eval_run: Path) -> list[dict]:
 def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id,
                    full_vocab: bool = False) -> list[dict]:
     """Replayed held-out tau of every checkpoint (its weight average where train.ema_decay kept one: the weights
-    train/final holds), against the training minutes spent to reach it, with the tallies
-    behind it and behind the per-round oracle chooser between the checkpoint and prompt lookup (`oracle`) and the
-    lookup-first rule (`lookup_first`, eval/replay.py): the paired intervals and per-source tables of eval/compare.py read them.
-    Each point keeps the acceptance at each draft position too (accept_rate_at_k, cond_accept_rate_at_k).
-    full_vocab: draft over the whole vocabulary although the draft has a token map (replay_model)."""
-    from eval.replay import replay_records
+    train/final holds), against the training minutes spent to reach it (replay_point)."""
     from modeling.registry import load_draft_model
     from train.checkpoint import AVERAGE_NAME, published_weights
 
-    rows = [json.loads(line) for line in (family_run / "train" / "metrics.jsonl").read_text().splitlines()]
-    elapsed, minutes = 0.0, {}
-    for row in rows:
-        elapsed += row["step_s"]
-        minutes[row["step"]] = elapsed / 60
+    minutes = training_minutes(family_run)
     records = [eval_cache[i] for i in range(len(eval_cache))]
     points = []
     for ckpt in sorted((family_run / "train" / "checkpoints").glob("step-*")):
@@ -224,17 +232,50 @@ def learning_curve(family_run: Path, eval_cache, gamma: int, max_new_tokens: int
         model = load_draft_model(ckpt / "draft")
         if (ckpt / AVERAGE_NAME).is_file():  # train.ema_decay: the weights train/final, eval and export read
             model.load_state_dict(published_weights(ckpt))
-        model = replay_model(model, full_vocab)
-        replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
-        copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
-                                          "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds",
-                                          "oracle", "lookup_first", "accept_rate_at_k", "cond_accept_rate_at_k")}
-        points.append({"step": step, "minutes": minutes[step], "replayed_tau": replay["accept_len"], **copying})
-        print(f"[quality] {family_run.name} step {step}: replayed held-out tau {replay['accept_len']:.3f}; first "
-              f"draft right at {copying['first_draft_right_at_lookup_hits']:.3f} of the positions prompt lookup gets "
-              f"right ({copying['lookup_hit_share']:.0%} of them), {copying['first_draft_right_elsewhere']:.3f} "
-              "elsewhere", flush=True)
+        points.append(replay_point(f"{family_run.name} step {step}", replay_model(model, full_vocab), records,
+                                   step, minutes[step], gamma, max_new_tokens, eos_token_id))
     return points
+
+
+def final_draft_point(run: Path, eval_cache, gamma: int, max_new_tokens: int, eos_token_id,
+                      full_vocab: bool = False) -> dict:
+    """replay_point of a finished run's final draft (RUN/train/final), at its last step and training minutes."""
+    from modeling.registry import load_draft_model
+
+    minutes = training_minutes(run)
+    step = max(minutes)
+    records = [eval_cache[i] for i in range(len(eval_cache))]
+    return replay_point(f"{run.name} final", replay_model(load_draft_model(run / "train" / "final"), full_vocab),
+                        records, step, minutes[step], gamma, max_new_tokens, eos_token_id)
+
+
+def training_minutes(run: Path) -> dict[int, float]:
+    """step -> training minutes spent to reach it (the steps' own seconds in RUN/train/metrics.jsonl)."""
+    elapsed, minutes = 0.0, {}
+    for line in (run / "train" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        elapsed += row["step_s"]
+        minutes[row["step"]] = elapsed / 60
+    return minutes
+
+
+def replay_point(label: str, model, records: list, step: int, minutes: float, gamma: int, max_new_tokens: int,
+                 eos_token_id) -> dict:
+    """One draft replayed on the held-out records: its tau, with the tallies behind it and behind the per-round oracle
+    chooser between it and prompt lookup (`oracle`) and the lookup-first rule (`lookup_first`, eval/replay.py), which
+    the paired intervals and per-source tables of eval/compare.py read, and the acceptance at each draft position
+    (accept_rate_at_k, cond_accept_rate_at_k)."""
+    from eval.replay import replay_records
+
+    replay = replay_records(model, records, gamma, max_new_tokens, eos_token_id)
+    copying = {k: replay[k] for k in ("lookup_hit_share", "first_draft_right_at_lookup_hits",
+                                      "first_draft_right_elsewhere", "per_record_tokens", "per_record_rounds",
+                                      "oracle", "lookup_first", "accept_rate_at_k", "cond_accept_rate_at_k")}
+    print(f"[quality] {label}: replayed held-out tau {replay['accept_len']:.3f}; first draft right at "
+          f"{copying['first_draft_right_at_lookup_hits']:.3f} of the positions prompt lookup gets right "
+          f"({copying['lookup_hit_share']:.0%} of them), {copying['first_draft_right_elsewhere']:.3f} elsewhere",
+          flush=True)
+    return {"step": step, "minutes": minutes, "replayed_tau": replay["accept_len"], **copying}
 
 
 def replay_model(model, full_vocab: bool):

@@ -10,6 +10,11 @@ the n-gram drafter and plain HF `generate`, in one run.
                                                         # held-out answers, replays and the loop
                                                         # (benchmarks/README.md, "Five times the data")
     python benchmarks/quality.py --budget-s 60 --train-prompts 32 --eval-per-source 2  # a quick smoke run
+    python benchmarks/quality.py --out runs/race --train-run runs/default --gsm8k ../shared/data/gsm8k \
+        --eval-per-source 12 --budget-s 600 --curve-points 2 --curve-only --skip-split --full-vocab \
+        --families dspark,dflash2,dflash,eagle3 [--arm copy:draft.init_copy=frozen --arm-families dflash2] \
+        [--also-draft default=runs/default]     # the four families, 10 min each, on the default recipe's data:
+                                                # ~55 min (benchmarks/README.md, "The four families at equal time")
 
 1. Regenerates once: the target answers the training prompts (ShareGPT, plus GSM8K train with --gsm8k) and the cache
    stage stores its hidden states (the block drafters' 5 layers; Eagle3 reads its 3 of them from the same cache).
@@ -34,7 +39,10 @@ split), which splits its gap into memorisation and domain shift. --curve-only st
 training settings at equal steps need only the curves. Each --arm trains every family again with its overrides on
 the same data and steps and prints its held-out tau over the recipe's at every checkpoint, e.g.
 --arm decay1.5:loss.loss_decay_gamma=1.5 (OUT/dspark-decay1.5); an arm that sets a cache.* key caches the shared
-regeneration again in its own folder, e.g. --arm raw:cache.encoding=raw (raw states against the fp8 cache). The
+regeneration again in its own folder, e.g. --arm raw:cache.encoding=raw (raw states against the fp8 cache);
+--arm-families names the families the arms train. --train-run trains every family on a finished run's regeneration and
+cache instead of regenerating (the default recipe's, say), and --also-draft replays a finished run's final draft in
+the same tables (its training minutes are its own run's). The
 helpers the benchmark scripts share (the pipeline in a child process, the data, the replays) live in
 benchmarks/harness.py. --full-vocab replays and runs the block drafts over the whole vocabulary (their loss.vocab_size
 token map ignored), as the serving engines draft; with DSpark among the families each other family's final draft is
@@ -53,15 +61,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.harness import (eval_records, generalization, learning_curve, link_data, ngram_replay,  # noqa: E402
-                                open_eval_cache, parse_arm, parse_source, prepare_data, prepare_in_distribution_data,
-                                ratio, run_pipeline, sets, source_sets)
+from benchmarks.harness import (eval_records, final_draft_point, finished_data, generalization,  # noqa: E402
+                                learning_curve, link_data, ngram_replay, open_eval_cache, parse_arm, parse_source,
+                                prepare_data, prepare_in_distribution_data, ratio, run_pipeline, sets, source_sets)
 from core import stage  # noqa: E402
 from core.io import read_json  # noqa: E402
 from core.recipe import FAMILIES  # noqa: E402
 from eval.compare import format_ratio, paired_ratio, source_rows, source_table  # noqa: E402
 
 TRAIN_DATA = {"regenerate": "the target's own greedy answers", "source": "the sources' own answers, target's labels"}
+
+
+def parse_also_draft(item: str) -> tuple[str, Path]:
+    """NAME=RUN -> (NAME, RUN): a finished run whose RUN/train/final draft is replayed beside the families."""
+    name, _, run = item.partition("=")
+    if not name or "/" in name or not (Path(run) / "train" / "final").is_dir():
+        raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=RUN with a finished run's RUN/train/final, e.g. "
+                                         "default=runs/default")
+    return name, Path(run).resolve()
 
 
 def reads_own_cache(arm_sets: list[str]) -> bool:
@@ -344,6 +361,16 @@ def main() -> int:
     parser.add_argument("--data-dir", type=Path, help="folder of the data stages (train-data, eval-data, "
                         "in-distribution-data; default OUT): runs given one folder train on one regeneration "
                         "(benchmarks/data_scaling.py's steps at one data size)")
+    parser.add_argument("--train-run", type=Path, help="a finished pipeline run whose regeneration and cache every "
+                        "family trains on instead of regenerating (--train-prompts, --train-data, --regen-backend and "
+                        "--add-source then unused), e.g. the default recipe's run: the families at equal time on the "
+                        "default's data")
+    parser.add_argument("--arm-families", help="comma-separated families the --arm runs train (default: every one "
+                        "of --families), e.g. dflash2 for an arm that only that family takes")
+    parser.add_argument("--also-draft", dest="also_drafts", action="append", default=[], type=parse_also_draft,
+                        metavar="NAME=RUN", help="a finished pipeline run's final draft (RUN/train/final), replayed on "
+                        "the same held-out prompts and tabled beside the families (repeatable), e.g. "
+                        "default=runs/default: the default recipe's own draft")
     args = parser.parse_args()
     if 0.0 not in args.temperatures:
         parser.error("--temperatures must include 0 (the ratios and speedups are T=0's)")
@@ -351,6 +378,12 @@ def main() -> int:
     unknown = set(families) - set(FAMILIES)
     if unknown:
         parser.error(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+    arm_families = families if args.arm_families is None else [f.strip() for f in args.arm_families.split(",")]
+    if set(arm_families) - set(families):
+        parser.error(f"--arm-families {args.arm_families}: not among --families {args.families}")
+    clash = {name for name, _ in args.also_drafts} & {*FAMILIES, *(f"{f}-{a}" for f in families for a, _ in args.arms)}
+    if clash:
+        parser.error(f"--also-draft names {sorted(clash)} are a family's or an arm's: name them otherwise")
     if args.gsm8k is not None and not (args.gsm8k / "train.jsonl").is_file():
         parser.error(f"--gsm8k {args.gsm8k}: no train.jsonl there")
     out = args.out.resolve()
@@ -363,13 +396,18 @@ def main() -> int:
 
     data_dir = (args.data_dir or out).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    data_run, eval_run, eval_file, eval_sources, sources, data_s = prepare_data(
-        data_dir, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log,
-        args.train_data, args.regen_backend, args.extra_sources)
+    if args.train_run:
+        data_run, eval_run, eval_file, eval_sources, sources, data_s = finished_data(
+            args.train_run.resolve(), data_dir, args.eval_per_source, args.gsm8k, args.max_new_tokens, args.nproc, log)
+    else:
+        data_run, eval_run, eval_file, eval_sources, sources, data_s = prepare_data(
+            data_dir, args.train_prompts, args.gsm8k, args.eval_per_source, args.max_new_tokens, args.nproc, log,
+            args.train_data, args.regen_backend, args.extra_sources)
 
     num_eval = len(eval_file.read_text().splitlines())
-    in_distribution_run = prepare_in_distribution_data(data_dir, data_run, sources, num_eval, args.max_new_tokens,
-                                                       args.nproc, log)
+    # the split's unseen prompts of the training sources: answered only where the split is replayed
+    in_distribution_run = None if args.skip_split else prepare_in_distribution_data(
+        data_dir, data_run, sources, num_eval, args.max_new_tokens, args.nproc, log)
 
     import torch
 
@@ -387,7 +425,7 @@ def main() -> int:
     # the family's training names its real data (it reads the shared regeneration, whatever its recipe's sources say)
     family_sets = extra_sets + sets(data__sources=sources)
     runs = [(family, family, []) for family in families]
-    runs += [(f"{family}-{name}", family, arm_sets) for family in families for name, arm_sets in args.arms]
+    runs += [(f"{family}-{name}", family, arm_sets) for family in arm_families for name, arm_sets in args.arms]
     arm_pairs = [(name, family) for name, family, arm_sets in runs if arm_sets]
     curves, trained, family_steps = {}, {}, {}
     for name, family, arm_sets in runs:
@@ -441,6 +479,11 @@ def main() -> int:
             trained[name]["overrides"] = arm_sets[1::2]
         for ckpt in (run / "train" / "checkpoints").glob("step-*"):  # the curve is read: free the disk
             shutil.rmtree(ckpt)
+
+    for name, run in args.also_drafts:  # a draft trained elsewhere, on the same held-out records
+        its_layers = open_eval_cache(str(run / "recipe.yaml"), eval_run)  # the held-out states at its recipe's layers
+        curves[name] = [final_draft_point(run, its_layers, 7, args.max_new_tokens, eos_token_id, args.full_vocab)]
+        trained[name] = {"steps": curves[name][0]["step"], "train_s": curves[name][0]["minutes"] * 60}
 
     # prompt lookup replayed on the same held-out records, and which prompt each record is: the per-source tables
     records = eval_records(eval_run)

@@ -175,6 +175,10 @@ class DraftConfig:
     init_copy: Literal["none", "trained", "frozen"] = setting(
         "none", "block drafters: trained = layer 0's attention starts as prompt lookup does; frozen = that start kept "
         "while the rest trains")
+    # text: the key names the previous token, so the match lands where the earlier occurrence was followed
+    copy_follows: Literal["prediction", "text"] = setting(
+        "prediction", "draft.init_copy: what the copy start copies: prediction = the target's prediction after the "
+        "earlier occurrence of the pending token; text = the token that followed it (as prompt lookup)")
     # the tables rescore the lm_head's top K per slot with the transition from the previous slot's pick
     selector_rank: int = setting(0, "DFlash2's candidate selector: rank of its predecessor/successor tables (0 = "
                                  "none)", bound=NON_NEGATIVE)

@@ -71,6 +71,48 @@ def test_the_copy_start_drafts_what_prompt_lookup_would(target_and_records, reco
     assert after["accept_len"] > before["accept_len"] + 0.3
 
 
+def copying_records(target, count: int = 8) -> Records:
+    """Answers that restate their prompt (prompt + prompt), with made-up states: the first captured layer names the
+    token and the one before it, the final-norm state predicts the answer's next token in the answer and some other
+    token in the prompt (what the target would have said there is not what the prompt says)."""
+    g = torch.Generator().manual_seed(3)
+    words = torch.randperm(VOCAB - 8, generator=g)[:48] + 8  # 48 tokens: a linear read can name each one
+    previous = torch.randn(VOCAB, HIDDEN, generator=g)
+    embed, head = target.get_input_embeddings().weight, target.lm_head.weight
+    records = Records()
+    for _ in range(count):
+        prompt = words[torch.randperm(len(words), generator=g)[:20]]  # no token twice: one earlier occurrence each
+        ids = torch.cat([prompt, prompt])
+        predicted = torch.cat([words[torch.randint(len(words), (len(prompt) - 1,), generator=g)], ids[len(prompt):],
+                               ids[:1]])  # at j: the token the final-norm state predicts
+        last = head[predicted] / head[predicted].norm(dim=-1, keepdim=True)
+        first = embed[ids] + previous[torch.cat([ids[:1], ids[:-1]])]
+        hidden = torch.cat([first, torch.randn(len(ids), HIDDEN, generator=g), last + 0.01 * torch.randn(
+            len(ids), HIDDEN, generator=g)], dim=-1)
+        records.append({"input_ids": ids, "loss_mask": (torch.arange(len(ids)) >= len(prompt)).to(torch.uint8),
+                        "hidden_states": hidden, "last_hidden_state": last})
+    return records
+
+
+def test_copying_the_text_drafts_what_followed_where_the_prediction_there_was_other(target_and_records):
+    # draft.copy_follows: text keys on the previous token, so it copies the prompt's next token; prediction copies the
+    # target's prediction after the earlier occurrence, which in a prompt is not what the prompt says
+    target, _ = target_and_records
+    records = copying_records(target)
+    right = {}
+    for follows in ("prediction", "text"):
+        model = draft(target)
+        init_copy_attention(model, records, follows=follows)
+        with torch.no_grad():
+            right[follows] = replay_records(model, records, 4)
+    assert right["text"]["lookup_hit_share"] > 0.9  # every answer token but the first restates the prompt
+    assert right["prediction"]["first_draft_right_at_lookup_hits"] < 0.2
+    assert right["text"]["first_draft_right_at_lookup_hits"] > 0.7  # measured 0.80 against 0.02
+    assert right["text"]["accept_len"] > right["prediction"]["accept_len"] + 0.5
+    with pytest.raises(ValueError, match="draft.copy_follows='next': prediction or text"):
+        init_copy_attention(draft(target), records, follows="next")
+
+
 def test_the_frozen_copy_start_stays_as_fitted_while_the_rest_trains(target_and_records):
     target, records = target_and_records
     model = draft(target).train()

@@ -362,3 +362,49 @@ def test_replay_model_drafts_over_the_whole_vocabulary_only_when_asked():
             drafts[full_vocab] = model.greedy_drafts(hidden, prev)
     assert torch.isin(drafts[False], token_map).all()
     assert not torch.isin(drafts[True], token_map).all()  # the whole vocabulary: ids outside the map win
+
+
+def test_a_finished_run_is_trained_on_as_it_is_and_an_unfinished_one_refused(tmp_path, monkeypatch):
+    # --train-run: every family reads the run's own regeneration and cache, with the sources its recipe names
+    run = tmp_path / "default"
+    sources = [{"name": "sharegpt", "path": None, "weight": 1.0, "split": "train"},
+               {"name": "wordmath", "path": None, "weight": 0.5, "split": "train"}]
+    (run / "regen").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump({"data": {"sources": sources}}))
+    (run / "regen" / "DONE.json").write_text(json.dumps({"seconds": 600.0}))
+    monkeypatch.setattr(harness, "prepare_eval_data", lambda out, *args: ("eval-run", "eval-file", ["mtbench"]))
+    with pytest.raises(SystemExit, match=r"no finished cache stage there .*--stages regenerate,cache"):
+        harness.finished_data(run, tmp_path / "q", 12, None, 128, 2, tmp_path / "log")
+    (run / "cache").mkdir()
+    (run / "cache" / "DONE.json").write_text(json.dumps({"seconds": 300.0}))
+    data_run, eval_run, _, _, named, data_s = harness.finished_data(run, tmp_path / "q", 12, None, 128, 2,
+                                                                    tmp_path / "log")
+    assert (data_run, eval_run, data_s) == (run, "eval-run", 900.0)
+    assert "\n" not in named and yaml.safe_load(named) == sources  # one --set value, the run's sources back
+
+
+@pytest.mark.parametrize("args, error", [
+    (["--also-draft", "default=/nowhere"], "argument --also-draft: 'default=/nowhere': expected NAME=RUN with a "
+                                           "finished run's RUN/train/final"),
+    (["--also-draft", "dflash={run}"], "--also-draft names ['dflash'] are a family's or an arm's"),
+    (["--families", "dspark,eagle3", "--arm", "x:train.lr=1e-3", "--also-draft", "eagle3-x={run}"],
+     "--also-draft names ['eagle3-x'] are a family's or an arm's"),
+    (["--families", "dspark", "--arm", "x:train.lr=1e-3", "--arm-families", "dflash2"],
+     "--arm-families dflash2: not among --families dspark"),
+])
+def test_a_draft_to_table_beside_the_families_and_an_arm_for_some_families_are_checked_before_any_work(
+        args, error, tmp_path):
+    run = tmp_path / "default"
+    (run / "train" / "final").mkdir(parents=True)
+    out = tmp_path / "q"
+    done = subprocess.run([sys.executable, "benchmarks/quality.py", "--out", str(out),
+                           *(a.format(run=run) for a in args)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and error in done.stderr, done.stderr
+    assert not out.exists()
+
+
+def test_training_minutes_add_the_steps_own_seconds(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "train" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "step_s": 30.0, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    assert harness.training_minutes(tmp_path) == {1: 0.5, 2: 1.0, 3: 1.5}

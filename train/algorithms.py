@@ -153,7 +153,7 @@ def _init_draft(draft, recipe, target, cache) -> None:
         with torch.no_grad():
             draft.fc.weight.div_(input_scale(cache)[None, :].to(draft.fc.weight))
     if d.init_copy != "none":
-        init_copy_attention(draft, cache)
+        init_copy_attention(draft, cache, follows=d.copy_follows)
     if d.init_copy == "frozen":
         freeze_copy_attention(draft)
 

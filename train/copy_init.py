@@ -17,6 +17,13 @@ drafter's first draft is then right at ~35% of the positions where lookup is rig
 with the rest (`trained`) that fades within ~100 steps; kept as fitted (`frozen`, the smollm2 DSpark recipe) it stays,
 and held-out tau at 560 steps was 1.348 against the plain start's 1.312. The weights keep the draft's names and
 shapes: export and serving see an ordinary drafter.
+
+`draft.copy_follows: text` copies what prompt lookup copies, the token that followed the match, not the target's
+prediction there (which differs from the text in a prompt: a signature or figures restated): the key of position j is
+a read of token j-1 from the first captured layer (on SmolLM2 the best of the five at it: in the 24 match dimensions it
+names token j-1 at 27% of held-out positions, token j at 33%; benchmarks/copy_probe.py), so the match lands one
+position after the earlier occurrence, and the value is a read of that position's token from the same layer, fitted to
+the final-norm state that predicts it (measured: benchmarks/README.md, "The four families at equal time").
 """
 
 from __future__ import annotations
@@ -40,13 +47,14 @@ def _leading_directions(gram: torch.Tensor, read: torch.Tensor, count: int) -> t
     return vectors[:, values.argsort(descending=True)[:count]].T
 
 
-def fit_copy_maps(draft, cache, kv_heads: int | None = None,
-                  max_records: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fit_copy_maps(draft, cache, kv_heads: int | None = None, max_records: int = 128,
+                  follows: str = "prediction") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(match_read [H, H], match_dirs [m, H], value_read [H, H], value_dirs [kv*hd, H]) from the first cached
     conversations: first captured layer -> the token's embedding, last captured layer -> the final-norm state, and the
-    leading directions of each read (position 0, the attention sink, left out). Sums of products only, so the memory
-    is a few [H, H] matrices whatever the data; with online hidden states the target computes them, 8 records at a
-    time. The ridge penalty keeps the fit defined on few positions (a test's handful), if poor."""
+    leading directions of each read (position 0, the attention sink, left out); follows="text": first captured layer
+    -> the previous token's embedding, and -> the final-norm state one position back. Sums of products only, so the
+    memory is a few [H, H] matrices whatever the data; with online hidden states the target computes them, 8 records
+    at a time. The ridge penalty keeps the fit defined on few positions (a test's handful), if poor."""
     config = draft.config
     hidden, layers = config.hidden_size, len(config.target_layer_ids)
     embed = draft.embed_tokens.weight.detach().cpu().double()
@@ -57,11 +65,15 @@ def fit_copy_maps(draft, cache, kv_heads: int | None = None,
     for start in range(0, count, 8):
         for record in cache.with_hidden([cache[i] for i in range(start, min(start + 8, count))]):
             states = record["hidden_states"][1:].cpu().double().view(-1, layers, hidden)
-            first, last = states[:, 0], states[:, -1]
+            ids, final = record["input_ids"].long().cpu(), record["last_hidden_state"].cpu().double()
+            first = states[:, 0]
+            # what position j's key names and what its value carries
+            named, value_in, value_out = ((ids[1:], states[:, -1], final[1:]) if follows == "prediction"
+                                          else (ids[:-1], first, final[:-1]))
             sums["ff"] += first.T @ first
-            sums["fe"] += first.T @ embed[record["input_ids"][1:].long().cpu()]
-            sums["ll"] += last.T @ last
-            sums["lf"] += last.T @ record["last_hidden_state"][1:].cpu().double()
+            sums["fe"] += first.T @ embed[named]
+            sums["ll"] += value_in.T @ value_in
+            sums["lf"] += value_in.T @ value_out
     match_read = _ridge(sums["ff"], sums["fe"], 1e-2)
     value_read = _ridge(sums["ll"], sums["lf"], 1e-3)
     attn = draft.layers[0].self_attn
@@ -78,10 +90,13 @@ def _copy_heads(attn, kv_heads: int | None) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def init_copy_attention(draft, cache, kv_heads: int | None = None) -> None:
+def init_copy_attention(draft, cache, kv_heads: int | None = None, follows: str = "prediction") -> None:
     """Layer 0's attention of a DSpark/DFlash draft (its first `kv_heads` key/value heads and their query heads; None:
-    all), fc's first rows and hidden_norm set as the module docstring says."""
-    match_read, match_dirs, value_read, value_dirs = (t.float() for t in fit_copy_maps(draft, cache, kv_heads))
+    all), fc's first rows and hidden_norm set as the module docstring says; `follows`: draft.copy_follows."""
+    if follows not in ("prediction", "text"):
+        raise ValueError(f"draft.copy_follows={follows!r}: prediction or text")
+    match_read, match_dirs, value_read, value_dirs = (
+        t.float() for t in fit_copy_maps(draft, cache, kv_heads, follows=follows))
     hidden = draft.config.hidden_size
     attn = draft.layers[0].self_attn
     head_dim, heads, groups = attn.head_dim, attn.num_heads, attn.num_kv_heads
@@ -94,8 +109,10 @@ def init_copy_attention(draft, cache, kv_heads: int | None = None) -> None:
         raise ValueError(f"draft.init_copy needs {m + v} context dimensions, the draft has {hidden}")
     fc = draft.fc.weight
     fc[: m + v] = 0.0
-    fc[:m, :hidden] = match_dirs @ match_read.T  # ctx[:m]: the token at j, in the match directions
-    fc[m: m + v, -hidden:] = value_dirs @ value_read.T  # ctx[m:m+v]: the target's prediction at j
+    fc[:m, :hidden] = match_dirs @ match_read.T  # ctx[:m]: the token at j (or j-1), in the match directions
+    # ctx[m:m+v]: the target's prediction at j (from the last captured layer), or what predicts token j (the first)
+    value_columns = slice(-hidden, None) if follows == "prediction" else slice(0, hidden)
+    fc[m: m + v, value_columns] = value_dirs @ value_read.T
     draft.hidden_norm.weight.fill_(1.0)
     # RoPE pairs dims (i, i + head_dim/2); the last pairs turn slowest
     half = head_dim // 2
