@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -238,6 +239,11 @@ def atomic_open(path, *, tmp_path=None):
             sync_file(handle)
         os.chmod(tmp, file_mode())
         replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # a full disk or a file-size limit: say which file
+            raise write_failure(path, err) from err
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -422,3 +422,16 @@ def test_eval_py_refuses_a_runs_own_stage_folder_as_its_out(tmp_path, capsys, dr
         assert refused.value.code == 2 and f"--out {out} is the {out.name} stage folder" in capsys.readouterr().err
     assert sorted(p.name for p in (run / "eval").iterdir()) == [".draftsmith-stage", "settings.json"]
     assert not (run / "train").exists()
+
+
+def test_a_small_file_that_meets_a_file_size_limit_names_itself_and_leaves_the_old_one(tmp_path):
+    # the run's recipe.yaml, written before any stage, met the drills' file-size limit with a bare EFBIG traceback
+    target = tmp_path / "recipe.yaml"
+    target.write_text("old\n")
+    script = ("import resource, sys; from core.io import atomic_write_text; "
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64)); "
+              f"atomic_write_text({str(target)!r}, 'x' * 1000)")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert f"could not write {target}: [Errno 27] File too large" in done.stderr, done.stderr[-2000:]
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
