@@ -81,8 +81,10 @@ def test_every_fault_point_and_a_full_disk_then_the_rerun_gives_the_same_bytes(c
             done = run_cli(args, {"DRAFTSMITH_KILL_AT": where})
             assert done.returncode == -signal.SIGKILL, f"{where}: {done.stderr[-3000:]}"
             drill("kill", f"kill -9 at {where}")
-        else:  # every file of the stages before fits; the next stage's largest does not
-            done = run_cli(args, file_size_limit=largest[where] + 1)
+        else:  # every file of the stages before fits, and the run's recipe.yaml; the next stage's largest does not
+            fits = max(largest[where], (out / "recipe.yaml").stat().st_size)
+            assert fits < largest[{"regen": "cache", "cache": "train/checkpoints"}[where]]
+            done = run_cli(args, file_size_limit=fits + 1)
             assert done.returncode != 0 and "could not write" in done.stderr, done.stderr[-3000:]
         if where == "regenerate:1":
             assert not (out / "regen" / "DONE.json").exists()
