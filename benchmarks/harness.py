@@ -116,10 +116,15 @@ def prepare_data(out: Path, train_prompts: int, gsm8k: Path | None, eval_per_sou
     backend = sets(regen__backend=regen_backend) if train_data == "regenerate" else []
     run_pipeline("dspark_smollm2_135m", data_run, "regenerate,cache", 1 if regen_backend == "vllm" else nproc,
                  sets(data__sources=sources, data__num_prompts=train_prompts) + source_sets(train_data) + backend, log)
-    # the two stages' seconds from their DONE.json (their last run's): right also when a finished folder is skipped
-    data_s = sum(json.loads((data_run / stage / "DONE.json").read_text())["seconds"] for stage in ("regen", "cache"))
+    data_s = data_seconds(data_run)
     eval_run, eval_file, eval_sources = prepare_eval_data(out, eval_per_source, gsm8k, max_new_tokens, nproc, log)
     return data_run, eval_run, eval_file, eval_sources, sources, data_s
+
+
+def data_seconds(run: Path) -> float:
+    """The regeneration and cache stages' seconds, from their DONE.json (their last run's: right also when a finished
+    folder is skipped)."""
+    return sum(json.loads((run / stage / "DONE.json").read_text())["seconds"] for stage in ("regen", "cache"))
 
 
 def finished_data(run: Path, out: Path, eval_per_source: int, gsm8k: Path | None, max_new_tokens: int, nproc: int,
@@ -134,7 +139,7 @@ def finished_data(run: Path, out: Path, eval_per_source: int, gsm8k: Path | None
                              f"run `train/main.py --out {run} --stages regenerate,cache` first")
     recipe = yaml.safe_load((run / "recipe.yaml").read_text())
     sources = yaml.safe_dump(recipe["data"]["sources"], default_flow_style=True, width=10**6).strip()
-    data_s = sum(json.loads((run / stage / "DONE.json").read_text())["seconds"] for stage in ("regen", "cache"))
+    data_s = data_seconds(run)
     eval_run, eval_file, eval_sources = prepare_eval_data(out, eval_per_source, gsm8k, max_new_tokens, nproc, log)
     return run, eval_run, eval_file, eval_sources, sources, data_s
 
