@@ -239,13 +239,10 @@ def atomic_open(path, *, tmp_path=None):
             sync_file(handle)
         os.chmod(tmp, file_mode())
         replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        if err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # a full disk or a file-size limit: say which file
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # say which file
             raise write_failure(path, err) from err
-        raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
         raise
 
 
@@ -391,11 +388,18 @@ def sha256_file(path, chunk: int = 16 << 20) -> str:
     return digest.hexdigest()
 
 
+class WriteFailure(OSError):
+    """A write that failed, naming its file and the room left (write_failure)."""
+
+
 def write_failure(path, err: BaseException) -> OSError:
     """The error to raise when writing `path` failed: which file, why, and the room left on its filesystem (torch's
-    writer reports a full disk as an 'iostream error', Python's names no file)."""
+    writer reports a full disk as an 'iostream error', Python's names no file). A failure that already names its file
+    (a file of the folder `path`) keeps its own message."""
+    if isinstance(err, WriteFailure):
+        return WriteFailure(str(err))
     free = shutil.disk_usage(_existing(Path(path).parent)).free
-    return OSError(f"could not write {path}: {err} ({free / 2**30:.2f} GiB free on its filesystem; a full disk or a "
+    return WriteFailure(f"could not write {path}: {err} ({free / 2**30:.2f} GiB free on its filesystem; a full disk or a "
                    f"file-size limit stops writes). Nothing half-written was published: make room and rerun, the run "
                    f"resumes where it stopped")
 

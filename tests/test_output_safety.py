@@ -435,3 +435,12 @@ def test_a_small_file_that_meets_a_file_size_limit_names_itself_and_leaves_the_o
     assert done.returncode != 0
     assert f"could not write {target}: [Errno 27] File too large" in done.stderr, done.stderr[-2000:]
     assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"]
+
+
+def test_a_write_failure_seen_again_by_its_folders_writer_keeps_one_message(tmp_path):
+    # a checkpoint's writer names its folder when a file inside fails; the file's own failure already says it all
+    from core.io import write_failure
+
+    inner = write_failure(tmp_path / "step-4" / "config.json", OSError(28, "No space left on device"))
+    outer = write_failure(tmp_path / "step-4", inner)
+    assert str(outer) == str(inner) and str(outer).count("could not write") == 1 and isinstance(outer, OSError)
