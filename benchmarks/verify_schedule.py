@@ -13,12 +13,15 @@ one target and the same plain-loop baseline for every arm (T=0, exact match chec
      drafts over the whole vocabulary throughout, as SGLang serves it (a token map is ignored);
   2. on --eval-prompts: the draft at each fixed gamma in --gammas and at --gamma; the confidence schedule, uncalibrated
      and with that sts.json; the n-gram drafter at the same fixed gammas (its best is the baseline to beat).
-Prints and writes OUT/verify_schedule.{json,md}: tau, drafts verified a round, ms a round, speedup over the plain loop.
+Prints and writes OUT/verify_schedule.{json,md}: tau, drafts verified a round, ms a round, speedup over the plain loop;
+then each draft arm against the fastest n-gram arm, speed and tau per source and copy-heavy / rest with paired 90%
+intervals over the prompts (eval/compare.py).
 
 The arms differ by a few percent in speed while a shared 2-core machine's speed drifts by tens of percent over
 minutes (two runs arm after arm: n-gram at gamma 2 1.58x, then 1.02x). So every prompt is decoded by every arm back
-to back, in reversed order on every other prompt, between two plain decodes of it: each arm's speedup is its tokens/s
-over the plain loop's in the same minutes. `plain_repeat_spread` reports how far a prompt's two plain decodes differ.
+to back, in reversed order on every other prompt, between two plain decodes of it (eval/arms.py, as eval.py does):
+each arm's speedup is its tokens/s over the plain loop's in the same minutes. `plain_repeat_spread` reports how far
+a prompt's two plain decodes differ.
 """
 
 from __future__ import annotations
@@ -43,6 +46,20 @@ def arms(gamma: int, gammas: list[int]) -> list[tuple[str, str, int, str, bool]]
             + [(f"n-gram gamma {g}", "ngram", g, "fixed", False) for g in fixed])
 
 
+def against_best_ngram(rows: list[dict]) -> dict:
+    """Each draft arm against the fastest n-gram arm on the same prompts, per source, copy-heavy / rest and overall,
+    with paired 90% intervals (eval/compare.py): {"ngram": its name, "speed": {arm: rows}, "tau": {arm: rows}}."""
+    from eval.compare import source_rows, speed_tally, tally
+
+    best = max((row for row in rows if row["drafter"] == "ngram"), key=lambda row: row["speedup"])
+    sources, lookup = [x["source"] for x in best["samples"]], tally(best["samples"])
+    drafts = [row for row in rows if row["drafter"] == "draft"]
+    return {"ngram": best["name"],
+            "speed": {row["name"]: source_rows(speed_tally(row["samples"]), speed_tally(best["samples"]), sources,
+                                               lookup=lookup) for row in drafts},
+            "tau": {row["name"]: source_rows(tally(row["samples"]), lookup, sources) for row in drafts}}
+
+
 def markdown(result: dict) -> str:
     lines = [f"# DSpark's verify scheduler in the batch-1 loop ({result['num_eval_prompts']} held-out prompts, T=0, "
              f"{result['max_new_tokens']} new tokens)", "",
@@ -59,6 +76,13 @@ def markdown(result: dict) -> str:
         lines.append(f"| {row['name']} | {row['accept_len']:.3f} | {row['mean_verified_drafts']:.2f} | "
                      f"{t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['round_ms']:.1f} | {row['exact_match']} | "
                      f"{row['speedup']:.2f}x | {row['speedup'] / best_ngram:.2f} |")
+    from eval.compare import source_table
+
+    vs = result["vs_best_ngram"]
+    for name in vs["speed"]:
+        lines += ["", f"{name} against {vs['ngram']}, per source (90% paired bootstrap over the prompts):", "",
+                  *source_table(vs["speed"][name], other="n-gram", quantity="tok/s"), "",
+                  *source_table(vs["tau"][name], other="n-gram")]
     return "\n".join(lines) + "\n"
 
 
@@ -97,9 +121,10 @@ def main(argv=None) -> int:
 
     from core.malloc import keep_freed_memory
     from data.prompts import eval_prompts
+    from eval.arms import Arm, PlainLoop, decode_interleaved, speed_ratio
     from eval.report import ReportSettings, acceptance_metrics, round_timing
     from eval.run import EvalDecode, first_turn_ids, loop_schedule, make_drafter, run_eval
-    from eval.spec_decode import Decoding, speculative_generate, target_generate
+    from eval.spec_decode import Decoding
     from modeling.target import load_target, load_tokenizer
     from tqdm.auto import tqdm
 
@@ -114,7 +139,7 @@ def main(argv=None) -> int:
     if "calibration" not in calibration:
         parser.error(f"--draft {args.draft}: no confidence head, nothing to schedule with")
     sts = calibration["calibration"]["sts_path"]
-    runs = []
+    arms_run = []
     for name, drafter_name, gamma, policy, calibrated in arms(args.gamma, gammas):
         # as the engines serve it: over the whole vocabulary, whatever token map the draft folder has
         drafter = make_drafter(str(args.draft) if drafter_name == "draft" else drafter_name, target, gamma,
@@ -124,46 +149,34 @@ def main(argv=None) -> int:
             arm_dir = args.out / name.replace(" ", "_").replace(",", "")
             arm_dir.mkdir(parents=True, exist_ok=True)
             schedule, _ = loop_schedule(target, drafter, gamma, sts if calibrated else None, arm_dir)
-        runs.append({"name": name, "drafter": drafter_name, "gamma": gamma, "schedule": policy, "model": drafter,
-                     "verify": schedule, "rounds": [], "time": 0.0, "prefill": 0.0, "tokens": 0, "exact": 0})
+        arms_run.append((Arm(name, drafter, schedule=schedule, gamma=gamma), drafter_name, policy))
     prompts = eval_prompts(str(args.eval_prompts), args.num_samples, 0)
-    plain_time = plain_prefill = plain_tokens = 0.0
-    spreads = []
+    plain = PlainLoop()
     for i, prompt in enumerate(tqdm(prompts, desc="prompts (every arm)", unit="prompt")):
         ids = first_turn_ids(tokenizer, prompt, None, False)
-        plain = [target_generate(target, ids, args.max_new_tokens, 0.0, tokenizer.eos_token_id, seed=i)]
-        for run in runs if i % 2 == 0 else reversed(runs):
-            result = speculative_generate(target, run["model"], ids, Decoding(
-                gamma=run["gamma"], max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, seed=i),
-                schedule=run["verify"])
-            run["rounds"] += result.rounds
-            run["time"] += result.wall_s
-            run["prefill"] += result.prefill_s
-            run["tokens"] += len(result.ids)
-            run["exact"] += result.ids == plain[0].ids
-        plain.append(target_generate(target, ids, args.max_new_tokens, 0.0, tokenizer.eos_token_id, seed=i))
-        spreads.append(abs(plain[0].wall_s / plain[1].wall_s - 1.0))
-        plain_time += (plain[0].wall_s + plain[1].wall_s) / 2
-        plain_prefill += (plain[0].prefill_s + plain[1].prefill_s) / 2
-        plain_tokens += len(plain[0].ids)
-    plain_rate = plain_tokens / plain_time
+        decode_interleaved(target, [arm for arm, _, _ in arms_run], prompt, ids, i, Decoding(
+            max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, seed=i), plain)
     rows = []
-    for run in runs:
-        metrics = acceptance_metrics(run["rounds"], run["gamma"])
-        row = {key: run[key] for key in ("name", "drafter", "gamma", "schedule")}
-        row.update(accept_len=metrics["accept_len"], mean_verified_drafts=metrics["mean_verified_drafts"],
-                   exact_match=run["exact"] / len(prompts), speedup=run["tokens"] / run["time"] / plain_rate,
-                   timing=round_timing(run["rounds"], run["gamma"], spec_decode_s=run["time"] - run["prefill"],
-                                       spec_tokens=run["tokens"], target_decode_s=plain_time - plain_prefill,
-                                       target_tokens=plain_tokens))
-        rows.append(row)
-        print(f"[verify_schedule] {row['name']}: tau {row['accept_len']:.3f}, {row['mean_verified_drafts']:.2f} drafts "
-              f"verified a round, speedup {row['speedup']:.2f}x, exact match {row['exact_match']}", flush=True)
+    for arm, drafter_name, policy in arms_run:
+        metrics = acceptance_metrics(arm.rounds, arm.gamma)
+        tokens = sum(x["tokens"] for x in arm.samples)
+        rows.append({"name": arm.name, "drafter": drafter_name, "gamma": arm.gamma, "schedule": policy,
+                     "accept_len": metrics["accept_len"], "mean_verified_drafts": metrics["mean_verified_drafts"],
+                     "exact_match": sum(x["exact"] for x in arm.samples) / len(prompts),
+                     "speedup": speed_ratio(arm.samples),
+                     "timing": round_timing(arm.rounds, arm.gamma, spec_decode_s=arm.decode_s - arm.prefill_s,
+                                            spec_tokens=tokens, target_decode_s=plain.decode_s - plain.prefill_s,
+                                            target_tokens=plain.tokens),
+                     "samples": arm.samples})
+        print(f"[verify_schedule] {arm.name}: tau {metrics['accept_len']:.3f}, {metrics['mean_verified_drafts']:.2f} "
+              f"drafts verified a round, speedup {rows[-1]['speedup']:.2f}x, exact match {rows[-1]['exact_match']}",
+              flush=True)
     result = {"draft": str(args.draft), "eval_prompts": str(args.eval_prompts), "num_eval_prompts": len(prompts),
               "num_calibration_prompts": calibration["num_samples"], "max_new_tokens": args.max_new_tokens,
-              "sts_temperatures": calibration["calibration"]["sts_temperatures"], "target_tokens_per_s": plain_rate,
-              "target_step_ms": rows[0]["timing"]["target_step_ms"],
-              "plain_repeat_spread": statistics.median(spreads), "arms": rows}
+              "sts_temperatures": calibration["calibration"]["sts_temperatures"],
+              "target_tokens_per_s": plain.tokens_per_s, "target_step_ms": rows[0]["timing"]["target_step_ms"],
+              "plain_repeat_spread": statistics.median(plain.spreads), "arms": rows,
+              "vs_best_ngram": against_best_ngram(rows)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "verify_schedule.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)

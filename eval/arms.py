@@ -15,7 +15,7 @@ arm's `speed_ratio` is read from its own samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from eval.compare import record_source
@@ -29,6 +29,7 @@ class Arm:
     name: str
     drafter: Drafter
     schedule: Callable[[list[float]], int] | None = None  # a verify schedule (eval/scheduler.py); None: every draft
+    gamma: int | None = None  # drafts a round, over the Decoding's (arms of several draft lengths on the same prompts)
     samples: list[dict] = field(default_factory=list)
     rounds: list = field(default_factory=list)
     decode_s: float = 0.0  # wall time of its decodes, prefill included
@@ -59,7 +60,8 @@ def decode_interleaved(target, arms: list[Arm], prompt, ids: list[int], index: i
     before = target_generate(target, ids, how.max_new_tokens, temperature, how.eos_token_id, seed=how.seed)
     results = {}
     for arm in arms if index % 2 == 0 else list(reversed(arms)):
-        results[arm.name] = speculative_generate(target, arm.drafter, ids, how, schedule=arm.schedule)
+        arm_how = how if arm.gamma is None else replace(how, gamma=arm.gamma)
+        results[arm.name] = speculative_generate(target, arm.drafter, ids, arm_how, schedule=arm.schedule)
         arm.copied_rounds += getattr(arm.drafter, "copied_rounds", 0)
     after = target_generate(target, ids, how.max_new_tokens, temperature, how.eos_token_id, seed=how.seed)
     plain_s = (before.wall_s + after.wall_s) / 2

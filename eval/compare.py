@@ -47,6 +47,13 @@ def tally(samples: list[dict]) -> dict:
             "per_record_rounds": [s["rounds"] for s in samples]}
 
 
+def speed_tally(samples: list[dict]) -> dict:
+    """The same shape for decode speed (eval/arms.py samples: each prompt's tokens and decode seconds): subset_tau is
+    then tokens per second over the records picked, so paired_ratio and source_rows pair two drafters' speeds on the
+    same prompts (both timed beside the same plain decodes, eval/arms.py)."""
+    return {"per_record_tokens": [s["tokens"] for s in samples], "per_record_rounds": [s["decode_s"] for s in samples]}
+
+
 def subset_tau(point: dict, picks) -> float:
     """tau over the records `picks` (indices, repeats allowed): their tokens over their rounds."""
     rounds = sum(point["per_record_rounds"][i] for i in picks)
@@ -109,14 +116,15 @@ def source_rows(draft: dict, ngram: dict, sources: list[str], oracle: dict | Non
     return rows
 
 
-def source_table(rows: list[dict], other: str = "n-gram") -> list[str]:
+def source_table(rows: list[dict], other: str = "n-gram", quantity: str = "tau") -> list[str]:
     """source_rows as a markdown table (the oracle chooser's column where the rows have it); `other` names the
-    drafter the ratios are against."""
+    drafter the ratios are against, `quantity` what the tallies sum to (tau; "tok/s" for speed_tally's)."""
     oracle = all("oracle_tau" in r for r in rows)
-    lines = [f"| prompts | n | tau | {other} tau | tau / {other} (90% paired bootstrap) | wins |"
+    q, digits = quantity, 3 if quantity == "tau" else 1
+    lines = [f"| prompts | n | {q} | {other} {q} | {q} / {other} (90% paired bootstrap) | wins |"
              + (" oracle chooser tau |" if oracle else ""), "|---|---|---|---|---|---|" + ("---|" if oracle else "")]
     for r in rows:
-        lines.append(f"| {r['group']} | {r['records']} | {r['tau']:.3f} | {r['ngram_tau']:.3f} | "
+        lines.append(f"| {r['group']} | {r['records']} | {r['tau']:.{digits}f} | {r['ngram_tau']:.{digits}f} | "
                      f"{format_ratio(r['ratio'], r['low'], r['high'])} | {r['wins']} |"
                      + (f" {r['oracle_tau']:.3f} |" if oracle else ""))
     return lines

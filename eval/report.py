@@ -27,7 +27,7 @@ from pathlib import Path
 
 from core.io import atomic_open, atomic_write_json, atomic_write_text, make_dir
 from eval.arms import Arm, PlainLoop
-from eval.compare import source_rows, source_table, tally
+from eval.compare import source_rows, source_table, speed_tally, tally
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,11 +124,13 @@ def arm_metrics(arm: Arm, gamma: int, plain: PlainLoop, greedy: bool) -> dict:
 
 def vs_ngram(samples: list[dict], ngram_samples: list[dict], temperature: float) -> dict:
     """The draft against the n-gram drafter on the same prompts, per source, copy-heavy / rest and overall
-    (eval/compare.py source_rows), keyed by the temperature both ran at."""
+    (eval/compare.py source_rows): tau (`rows`) and decode speed (`speed_rows`, both timed beside the same plain
+    decodes), keyed by the temperature both ran at."""
     if [s["id"] for s in samples] != [s["id"] for s in ngram_samples]:
         raise ValueError("the n-gram baseline ran other prompts than the draft: nothing to pair")
-    return {"temperature": temperature,
-            "rows": source_rows(tally(samples), tally(ngram_samples), [s["source"] for s in samples])}
+    sources, lookup = [s["source"] for s in samples], tally(ngram_samples)
+    return {"temperature": temperature, "rows": source_rows(tally(samples), lookup, sources),
+            "speed_rows": source_rows(speed_tally(samples), speed_tally(ngram_samples), sources, lookup=lookup)}
 
 def drafter_report(base: dict, arm: Arm, plain: PlainLoop, greedy: bool, **about) -> dict:
     """One drafter's report: what ran (`base`: draft, target, prompts, gamma as `block_size`, ...; `about`: this
@@ -208,6 +210,9 @@ def report_markdown(report: dict) -> str:
     if "vs_ngram" in report:
         lines += ["", f"## Against the n-gram drafter per source (T={report['vs_ngram']['temperature']})", "",
                   *source_table(report["vs_ngram"]["rows"])]
+        if "speed_rows" in report["vs_ngram"]:
+            lines += ["", "Decode speed against the n-gram drafter's, per source (both beside the same plain decodes):",
+                      "", *source_table(report["vs_ngram"]["speed_rows"], quantity="tok/s")]
         if "vs_ngram" in report.get("token_map", {}):
             lines += ["", "With its token map (not served) against the n-gram drafter, per source:", "",
                       *source_table(report["token_map"]["vs_ngram"]["rows"])]

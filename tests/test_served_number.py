@@ -143,5 +143,12 @@ def test_every_speed_is_over_the_plain_decodes_beside_it(mapped_draft, tiny_qwen
     assert ngram["speedup"] == pytest.approx(speed_ratio(ngram["samples"]))
     assert report["speedup"] == pytest.approx(speed_ratio(report["samples"]))
     assert report["speed_vs_ngram"] == pytest.approx(report["speedup"] / report["ngram_baseline"]["speedup"])
+    # the same ratio prompt by prompt, per source, with a paired interval: the served drafter's tok/s over lookup's
+    speed = {r["group"]: r for r in report["vs_ngram"]["speed_rows"]}
+    served_rate = sum(c[2] for c in calls if c[0] == "served") / sum(c[1] for c in calls if c[0] == "served")
+    assert speed["all"]["tau"] == pytest.approx(served_rate) and speed["all"]["ngram_tau"] == pytest.approx(lookup_rate)
+    assert speed["all"]["ratio"] == pytest.approx(report["speed_vs_ngram"])
+    assert speed["all"]["low"] <= speed["all"]["ratio"] <= speed["all"]["high"]
+    assert "Decode speed against the n-gram drafter's, per source" in (tmp_path / "report.md").read_text()
     assert report["speed_by_source"]["all"] == pytest.approx(
         [report["speedup"], report["token_map"]["speedup"], report["ngram_baseline"]["speedup"]])
