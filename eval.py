@@ -24,7 +24,7 @@ from core import stage  # noqa: E402
 from core.io import LinkedPathError, LockedError, link_problem, lock_for_process, own_root  # noqa: E402
 from core.malloc import keep_freed_memory  # noqa: E402
 from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
-from data.sources import source_problem  # noqa: E402
+from data.sources.registry import source_problem  # noqa: E402
 from eval import LOOKUP_MAX_N, SCHEDULES  # noqa: E402
 from modeling.draft_folder import is_draft_dir, max_drafts  # noqa: E402
 
@@ -136,7 +136,7 @@ def prompt_file_problem(args) -> str | None:
     if not Path(args.dataset).is_file():
         return None
     from core.io import DamagedFileError
-    from data.prompts import eval_prompts
+    from data.sources.prompts import eval_prompts
 
     try:
         eval_prompts(args.dataset, args.num_samples, args.seed, path=args.dataset_path)

@@ -36,8 +36,8 @@ from core.malloc import keep_freed_memory
 from core.recipe import (FAMILIES, RecipeError, compose_recipe, list_recipes, load_recipe, overridden,
                          shareable_recipe_dict)
 from core.server import ENGINES, engine_python_problem
-from data.prompts import training_overlap
-from data.sources import source_problem
+from data.sources.prompts import training_overlap
+from data.sources.registry import source_problem
 
 # The stages' modules (torch, transformers: ~12 s to import on a small machine) are imported where they are first
 # needed, so that --help, --list-recipes and a bad recipe, stage or input answer within a second.
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
         if stale:
             print(f"[draftsmith] removed {len(stale)} temporary file(s) an interrupted run left in {out}", flush=True)
     from core.dist import close_dist, init_dist
-    from data.cache import CacheCorruptedError, CacheMismatchError
+    from data.states.cache import CacheCorruptedError, CacheMismatchError
     from export.convert import NotAnExportError
 
     dist = init_dist()
@@ -196,8 +196,8 @@ def stage_pins(out: Path) -> list[bytes | None]:
 def training_records(recipe, out: Path, tokenizer, target, dist=None):
     """What train and opd read: the cache stage's cache, or the regenerated records with the target computing the
     hidden states per step (train.hidden_states online)."""
-    from data.capture import open_cache
-    from data.online import OnlineRecords
+    from data.states.capture import open_cache
+    from data.states.online import OnlineRecords
     from modeling.target import target_hidden_size
 
     if recipe.train.hidden_states == "online":
@@ -254,7 +254,7 @@ def regen_backend_for(recipe, stages: list[str], out: Path) -> str:
         return started_with
     if "regenerate" not in stages:
         return "hf"  # nothing regenerates in this run; a later run with the stage chooses again
-    from data.regen_backends import choose_backend
+    from data.regen.backends import choose_backend
 
     backend, why = choose_backend(recipe.regen)
     if int(os.environ.get("RANK", "0")) == 0:
@@ -388,7 +388,7 @@ def cache_disk_problem(recipe, stages: list[str], out: Path, hidden_size: int) -
     """A cache that may not fit, refused before regeneration (which takes 5-12 hours on the Qwen3 recipes) rather than
     by the cache stage after it: the most it can take (`most_cache_bytes`) against the free space under --out. Once
     regeneration is done the cache stage checks the real token count itself."""
-    from data.capture import ONLINE_ADVICE, most_cache_bytes
+    from data.states.capture import ONLINE_ADVICE, most_cache_bytes
 
     if "cache" not in stages or recipe.train.hidden_states == "online" or stage.is_done(out / "regen") \
             or stage.is_done(out / "cache"):
@@ -450,13 +450,13 @@ def _never(recipe) -> None:
 
 
 def _regenerate_job(run: RunState):
-    from data.regenerate import RegenJob
+    from data.regen.regenerate import RegenJob
 
     return RegenJob(run.recipe, run.out / "regen", run.dist, run.get_target, run.tokenizer)
 
 
 def _run_regenerate(job, run: RunState) -> None:
-    from data.regenerate import run_regenerate
+    from data.regen.regenerate import run_regenerate
 
     run_regenerate(job)
 
@@ -467,13 +467,13 @@ def _cache_skip(recipe) -> str | None:
 
 
 def _cache_job(run: RunState):
-    from data.capture import CacheJob
+    from data.states.capture import CacheJob
 
     return CacheJob(run.recipe, run.out / "regen", run.out / "cache", run.dist, run.get_target_parts, run.tokenizer)
 
 
 def _run_cache(job, run: RunState) -> None:
-    from data.capture import run_cache
+    from data.states.capture import run_cache
 
     run_cache(job)
 

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from benchmarks.harness import open_eval_cache  # noqa: E402
 from core.recipe import load_recipe  # noqa: E402
-from data.capture import open_cache  # noqa: E402
+from data.states.capture import open_cache  # noqa: E402
 from modeling.target import load_target_parts, load_tokenizer, target_hidden_size  # noqa: E402
 from train.copy_init import MATCH_DIMS, _leading_directions, _ridge  # noqa: E402
 

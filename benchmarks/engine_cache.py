@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     from core.dist import Dist
     from core.io import atomic_write_json, make_dir
     from core.recipe import load_recipe
-    from data.cache import TargetCache
-    from data.capture import CacheJob, run_cache
+    from data.states.cache import TargetCache
+    from data.states.capture import CacheJob, run_cache
     from modeling.target import load_target, load_target_parts, load_tokenizer
 
     out = Path(args.out)

@@ -156,7 +156,7 @@ def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_n
 
 
 def write_eval_prompts(path: Path, per_source: int, gsm8k: Path | None, seed: int) -> list[str]:
-    from data.prompts import eval_prompts
+    from data.sources.prompts import eval_prompts
 
     sources = [("mtbench", None), ("humaneval", None)] + ([("gsm8k", str(gsm8k / "test.jsonl"))] if gsm8k else [])
     rows, names = [], []
@@ -186,7 +186,7 @@ def prepare_in_distribution_data(out: Path, data_run: Path, sources: str, count:
     import yaml
 
     from core.recipe import load_recipe
-    from data.prompts import load_prompts
+    from data.sources.prompts import load_prompts
 
     recipe = load_recipe(str(data_run / "recipe.yaml"))
     prompt_file = out / "in_distribution_prompts.jsonl"
@@ -200,7 +200,7 @@ def prepare_in_distribution_data(out: Path, data_run: Path, sources: str, count:
 def open_eval_cache(recipe_name: str, eval_run: Path):
     """The held-out prompts' cache (prepare_eval_data), read with `recipe_name`'s layers."""
     from core.recipe import load_recipe
-    from data.capture import open_cache
+    from data.states.capture import open_cache
     from modeling.target import load_tokenizer, target_hidden_size
 
     recipe = load_recipe(recipe_name, [f"cache.encoding={EVAL_CACHE_ENCODING}"])
@@ -211,9 +211,9 @@ def open_eval_cache(recipe_name: str, eval_run: Path):
 def eval_records(eval_run: Path) -> list[dict]:
     """{"id", "source"} of each record of the held-out cache (prepare_eval_data), in the cache's order, which is the
     order of every replay's per-record tallies: the cache stores the regenerated conversations in record order, less
-    those without a supervised token (data/capture.py training_rows, read here with the run's own recipe)."""
+    those without a supervised token (data/states/capture.py training_rows, read here with the run's own recipe)."""
     from core.recipe import load_recipe
-    from data.capture import training_rows
+    from data.states.capture import training_rows
     from eval.compare import record_source
     from modeling.target import load_tokenizer
 

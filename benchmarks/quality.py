@@ -412,7 +412,7 @@ def main() -> int:
     import torch
 
     from core.recipe import load_recipe
-    from data.capture import open_cache
+    from data.states.capture import open_cache
     from eval.report import ReportSettings, vs_ngram
     from eval.run import EvalDecode, run_eval
     from modeling.target import load_target, load_tokenizer, target_hidden_size

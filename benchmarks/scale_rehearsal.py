@@ -11,7 +11,7 @@ that holds the whole dataset at once shows a memory ratio above 1 and a time rat
         --head-dim 32 --cache-backend hf,engine --no-write
 
 With --cache-backend engine the cache stage gets its states from one vLLM server per target, started here with
-data/engine_states.engine_server_args' flags and shared by the ranks (cache.server_urls + cache.states_dir: one
+data/states/engine.engine_server_args' flags and shared by the ranks (cache.server_urls + cache.states_dir: one
 server fits 2 cores where one a rank does not), and the train stage loads only the target's embedding, final norm and
 lm_head. The server is up for the cache stages only (beside 4 training ranks on 23 GB it ran the machine low), and
 its processes' peak RSS is recorded beside the ranks'. vLLM's CPU attention needs heads 32 wide or more: --head-dim 32.
@@ -66,7 +66,7 @@ def fake_answer(messages: list[dict], words: int) -> str:
 
 class FakeChatHandler(http.server.BaseHTTPRequestHandler):
     """POST /v1/chat/completions -> {"choices": [{"message": {"content"}, "finish_reason": "stop"}]}, the shape
-    data/regenerate.py OpenAIBackend parses."""
+    data/regen/regenerate.py OpenAIBackend parses."""
 
     protocol_version = "HTTP/1.1"  # keep-alive: requests' session pool reuses the connection
     answer_words = 12
@@ -287,7 +287,7 @@ class EngineServer:
 
     def __init__(self, target: str, layers: int, out: Path, max_length: int = 256):
         from core.server import LiveServer, default_engine_python, free_port, vllm_server_command
-        from data.engine_states import engine_layer_ids, engine_server_args
+        from data.states.engine import engine_layer_ids, engine_server_args
 
         aux_ids, _, _ = engine_layer_ids(layer_ids(layers), layers)
         self.states_dir = make_dir(out / f"states-{layers}l")

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.io import atomic_write_json, atomic_write_text  # noqa: E402
 from core.malloc import keep_freed_memory  # noqa: E402
-from data.prompts import eval_prompts  # noqa: E402
+from data.sources.prompts import eval_prompts  # noqa: E402
 from eval.report import acceptance_metrics, round_timing  # noqa: E402
 from eval.run import first_turn_ids, hf_generate_result  # noqa: E402
 from eval.lookup import NgramDrafter  # noqa: E402

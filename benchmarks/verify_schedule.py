@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     import torch
 
     from core.malloc import keep_freed_memory
-    from data.prompts import eval_prompts
+    from data.sources.prompts import eval_prompts
     from eval.arms import Arm, PlainLoop, decode_interleaved, speed_ratio
     from eval.report import ReportSettings, acceptance_metrics, round_timing
     from eval.run import EvalDecode, first_turn_ids, loop_schedule, make_drafter, run_eval

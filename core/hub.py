@@ -1,5 +1,5 @@
 """Whether the Hugging Face hub can be asked: the environment's offline switches, and a 3 s reachability probe so
-that an offline machine fails at once instead of retrying for ~25 s. Prompt sources (data/readers.py) and targets
+that an offline machine fails at once instead of retrying for ~25 s. Prompt sources (data/sources/readers.py) and targets
 (modeling/target.py) ask here."""
 
 from __future__ import annotations

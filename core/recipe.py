@@ -90,7 +90,7 @@ class RegenConfig:
     # on GPUs only); openai = any OpenAI-compatible server already running (SGLang, vLLM); source = keep the
     # source's own answers, generating nothing (train with loss.ce_labels: target: the target's labels on that text);
     # auto = vllm on a machine without CUDA where a python with vLLM is found (regen.engine_python,
-    # $DRAFTSMITH_VLLM_PYTHON or ./.venv-vllm), else hf; the run says which (data/regen_backends.choose_backend).
+    # $DRAFTSMITH_VLLM_PYTHON or ./.venv-vllm), else hf; the run says which (data/regen/backends.choose_backend).
     backend: Literal["auto", "hf", "vllm", "sglang", "openai", "source"] = setting(
         "hf", "who answers the prompts: hf in-process, a vllm/sglang server started here, openai servers already "
         "running, source (the sources' own answers), auto (vllm on CPU when found, else hf)")
@@ -137,9 +137,9 @@ class CacheConfig:
     # micro-batch.
     backend: Literal["hf", "engine"] = setting("hf", "where hidden states come from: hf = the target in-process (each "
                                                "rank loads it whole) | engine = a vLLM server (extract_hidden_states; "
-                                               "data/engine_states.py)")
+                                               "data/states/engine.py)")
     server_urls: list[str] = setting(doc="engine backend: running vLLM servers started with "
-                                     "data/engine_states.engine_server_args' flags (none: each rank starts its own)",
+                                     "data/states/engine.engine_server_args' flags (none: each rank starts its own)",
                                      factory=list)
     states_dir: Optional[str] = setting(None, "engine backend: the folder those servers' connector writes states to, "
                                         "as this machine sees it (required with cache.server_urls)")
@@ -256,7 +256,7 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = setting("auto", "auto = bf16 on GPU and on CPUs with bf16 matrix "
                                                          "units, else fp32")
     hidden_states: Literal["cache", "online"] = setting("cache", "cache = read the cache stage's states; online = run "
-                                                        "the frozen target on each step's rows (data/online.py)")
+                                                        "the frozen target on each step's rows (data/states/online.py)")
     save_every: int = setting(1000, "optimizer steps between checkpoints", bound=POSITIVE)
     keep_checkpoints: int = setting(2, "checkpoints kept on disk, newest first (0 keeps all)", bound=NON_NEGATIVE)
     # capped by (1 + t) / (10 + t) at step t, so the start fades early (train/ema.py); the last checkpoint's draft

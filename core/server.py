@@ -1,6 +1,6 @@
 """Serving engines as child processes: start one, know when it is ready (and that it is ours), stop it and everything
 it started whatever happens, and keep secrets out of its environment and of every printed command. The live check
-(eval/live.py) and the regeneration stage's vllm and sglang backends (data/regen_backends.py) both run their engines
+(eval/live.py) and the regeneration stage's vllm and sglang backends (data/regen/backends.py) both run their engines
 through `LiveServer`.
 
 The server is always stopped: on success, on any error, on a timeout and on Ctrl-C / SIGTERM, by signalling its whole

@@ -1,5 +1,5 @@
 """vLLM's hidden-states KV connector, made to run on a CPU engine too. It is loaded by the vLLM server itself (its own
-venv, its own process), never imported by DraftSmith's processes: data/engine_states.py names it in the server's
+venv, its own process), never imported by DraftSmith's processes: data/states/engine.py names it in the server's
 --kv-transfer-config (`kv_connector_module_path`, vLLM's stock way to plug in a connector class).
 
 vLLM 0.32's `extract_hidden_states` speculative method stores the chosen layers' states in a cache-only KV layer, and

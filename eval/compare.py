@@ -25,7 +25,7 @@ import random
 import sys
 from pathlib import Path
 
-from data.sources import BUILTIN_SOURCES
+from data.sources.registry import BUILTIN_SOURCES
 
 #: a record is copy-heavy where prompt lookup's own tau on it is above this (issue 39: six of the 36 held-out
 #: prompts, 30% of lookup's accepted drafts)
@@ -34,7 +34,8 @@ RESAMPLES = 2000
 
 
 def record_source(prompt_id: str) -> str:
-    """The prompt source an eval record came from, read from its prompt id (`f"{source}:{raw id}"`, data/sources.py).
+    """The prompt source an eval record came from, read from its prompt id (`f"{source}:{raw id}"`,
+    data/sources/registry.py).
     A prompt file whose rows carry such ids (quality.py's eval_prompts.jsonl) prefixes its own name: the built-in
     source inside it wins, so "eval_prompts:mtbench:81" is MT-bench's, "prompts:7" the file `prompts`'s."""
     prefixes = prompt_id.split(":")[:-1]

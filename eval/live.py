@@ -34,7 +34,7 @@ import torch
 from core.io import atomic_write_json, atomic_write_text, make_dir
 from core.server import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, LiveServer, ServerStartError,
                          default_engine_python, engine_python_problem, free_port)
-from data.prompts import eval_prompts
+from data.sources.prompts import eval_prompts
 from eval.report import acceptance_metrics
 from eval.run import EvalDecode, first_turn_ids
 from eval.spec_decode import Decoding, is_greedy, load_draft, speculative_generate

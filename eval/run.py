@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from core import stage
 from core.io import make_dir, read_json
 from data.chat import build_messages, render_prompt_ids
-from data.prompts import DEFAULT_HOLDOUT_FRACTION, eval_prompts
+from data.sources.prompts import DEFAULT_HOLDOUT_FRACTION, eval_prompts
 from eval import SCHEDULES
 from eval.arms import Arm, PlainLoop, decode_interleaved, speed_by_source
 from eval.calibration import MIN_ROUNDS, calibrate_sts, calibration_report, logits_from_probs, prefix_labels
@@ -83,8 +83,8 @@ class EvalDecode:
     ReportSettings says what is measured beside it and written).
 
     draft: a trained draft folder, `ngram`, or `lm:<path or id>` (`make_drafter`). dataset, dataset_path: the prompts
-    (a benchmark name, a prompt file, or a source's held-out rows; data/prompts.py eval_prompts), num_samples of them
-    drawn with `seed`; prompt i decodes with seed + i. block_size: gamma, None for the draft's own. device: where the
+    (a benchmark name, a prompt file, or a source's held-out rows; data/sources/prompts.py eval_prompts), num_samples of
+    them drawn with `seed`; prompt i decodes with seed + i. block_size: gamma, None for the draft's own. device: where the
     target loads when the caller holds none (default: cuda if any).
     any_target: accept a target whose weights differ from the draft's own (see modeling.registry).
     full_vocab: skip the pass with a draft folder's token map (token_map.pt): the headline drafts over the whole

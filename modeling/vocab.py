@@ -2,7 +2,7 @@
 
 Eagle3 drafts over `draft_vocab_size` of them (its `d2t`/`t2d` buffers, SGLang's names), a block drafter trained with
 `loss.vocab_size` over its own (`draft_vocab`, token_map.pt), and the cache stage counts the tokens they are chosen
-from (data/capture.py). It imports nothing of the project, so each of them (modeling/, data/, train/, export/)
+from (data/states/capture.py). It imports nothing of the project, so each of them (modeling/, data/, train/, export/)
 imports it from here instead of from another's model file.
 
     counts = count_tokens(((ids, mask) for ids, mask in dataset), vocab_size)   # [V] int64

@@ -3,7 +3,7 @@
 
     python tests/fake_sglang.py --model-path M --port P [the rest of launch_server's flags]
 
-It serves what data/regen_backends.SGLangBackend uses, in SGLang's shapes (sglang/srt/entrypoints/http_server.py,
+It serves what data/regen/backends.SGLangBackend uses, in SGLang's shapes (sglang/srt/entrypoints/http_server.py,
 openai/serving_completions.py, openai/protocol.py): GET /health -> 200; POST /v1/completions with a prompt of token
 ids -> a CompletionResponse whose choice carries `token_ids` (the stop token included, as `output_ids_through_stop`
 keeps it) under `return_token_ids`, finish_reason `stop` (matched_stop: the eos id) or `length`. Like SGLang it

@@ -28,7 +28,7 @@ from conftest import set_args
 from core.recipe import load_recipe
 from data.assets import TINY_ARCHITECTURES, build_qwen3_tokenizer, make_tiny_target
 from data.chat import build_messages
-from data.regen_backends import HFBackend
+from data.regen.backends import HFBackend
 from eval.spec_decode import (Decoding, DSparkDrafter, Eagle3Drafter, OracleDrafter, speculative_generate,
                                target_generate)
 from export.convert import ExportJob, export_draft

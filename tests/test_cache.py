@@ -1,4 +1,5 @@
-"""Tests for data/cache.py: round trips, crash-safe resume, refusal of partial / mismatched / corrupted caches."""
+"""Tests for data/states/cache.py: round trips, crash-safe resume, refusal of partial / mismatched / corrupted
+caches."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.cache import (
+from data.states.cache import (
     ALIGNMENT,
     INDEX_STRUCT,
     CacheCorruptedError,
@@ -28,7 +29,7 @@ from data.cache import (
     bytes_per_token,
     format_bytes,
 )
-from data.cache_writer import CacheWriter
+from data.states.cache_writer import CacheWriter
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 SPEC = CacheSpec(target="toy/target", layer_ids=(1, 3, 5), hidden_size=8, tokenizer_fingerprint="tok-abc")
@@ -175,7 +176,7 @@ def test_fp8_round_trip_is_the_in_memory_round_trip_within_half_a_step(tmp_path,
         for key in ("hidden_states", "last_hidden_state"):
             x, x_hat = want[key], got[key]
             assert x_hat.dtype == spec.torch_dtype and x_hat.shape == x.shape
-            # what data/online.py trains on is exactly what an offline run reads
+            # what data/states/online.py trains on is exactly what an offline run reads
             assert torch.equal(bits(x_hat), bits(as_stored(x, spec)))
             rows = x.view(x.shape[0], -1, H)  # each token's row of each layer is scaled on its own
             error = (x_hat.view_as(rows).float() - rows.float()).abs()
@@ -215,7 +216,7 @@ KILL_SCRIPT = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {tests_dir!r})
     from test_cache import make_record, SPEC, NUM_RECORDS, PER_SHARD
-    from data.cache_writer import CacheWriter
+    from data.states.cache_writer import CacheWriter
 
     root, mode = sys.argv[1], sys.argv[2]
     real_replace = os.replace

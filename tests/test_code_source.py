@@ -1,6 +1,6 @@
-"""The code prompt source (data/libcode.py, source `libcode`) and the chat : GSM8K-train : code recipe mix: enough
-distinct prompts in both shapes, deterministic, nothing HumanEval defines, and no held-out prompt (MT-bench, HumanEval,
-GSM8K test, loaded the way eval loads them) among the training prompts."""
+"""The code prompt source (data/sources/libcode.py, source `libcode`) and the chat : GSM8K-train : code recipe mix:
+enough distinct prompts in both shapes, deterministic, nothing HumanEval defines, and no held-out prompt (MT-bench,
+HumanEval, GSM8K test, loaded the way eval loads them) among the training prompts."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 
 from conftest import ROOT
 from core.recipe import load_recipe
-from data.libcode import LibFunction, _task, library_functions
-from data.prompts import eval_prompts, load_prompts
-from data.sources import humaneval_names, load_source, source_problem
+from data.sources.libcode import LibFunction, _task, library_functions
+from data.sources.prompts import eval_prompts, load_prompts
+from data.sources.registry import humaneval_names, load_source, source_problem
 
 # grade-school-math's files, read by path and never committed (../shared/data/gsm8k); a small fixture otherwise
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"

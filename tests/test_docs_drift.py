@@ -9,7 +9,7 @@ import re
 
 from conftest import ROOT
 from core.recipe import SourceConfig, recipe_keys
-from data.sources import BUILTIN_SOURCES
+from data.sources.registry import BUILTIN_SOURCES
 from draftsmith import keys_table
 
 DOCS = ("README.md", "benchmarks/README.md", "Makefile")

@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, eval_cli, run_cli, tiny_overrides, tree_digest
 from core.io import is_temporary
 from core.recipe import load_recipe
-from data.capture import open_cache
+from data.states.capture import open_cache
 from modeling.target import load_tokenizer
 from pipeline import main
 from test_trainer import TRAIN, strip_timing

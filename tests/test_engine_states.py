@@ -1,4 +1,4 @@
-"""cache.backend: engine (data/engine_states.py): the cache stage reads the recipe's layers and the final-norm state
+"""cache.backend: engine (data/states/engine.py): the cache stage reads the recipe's layers and the final-norm state
 from a vLLM server running extract_hidden_states, instead of running the target in-process; the stage and the train
 stage then hold only the target's embedding, final norm and lm_head (modeling/target.load_target_parts).
 
@@ -18,10 +18,10 @@ import torch
 from core.dist import Dist
 from core.recipe import RecipeError, load_recipe
 from core import stage
-from data.cache import TargetCache
-from data.capture import CacheJob, run_cache
-from data.engine_states import EngineStatesError, engine_layer_ids, engine_server_args
-from data.regenerate import RegenJob, run_regenerate
+from data.states.cache import TargetCache
+from data.states.capture import CacheJob, run_cache
+from data.states.engine import EngineStatesError, engine_layer_ids, engine_server_args
+from data.regen.regenerate import RegenJob, run_regenerate
 from modeling.target import (backbone, decoder_layers, load_target, load_target_parts, load_tokenizer,
                              weights_fingerprint)
 
@@ -241,7 +241,7 @@ def test_a_server_killed_mid_stage_stops_it_unfinished_and_a_rerun_on_a_new_serv
         port = free_port()
         argv = vllm_server_command(vllm_python, resolve_target(SMOLLM2), port, max_model_len=257,
                                    extra=["--enforce-eager", *engine_server_args(aux, str(states))])
-        from data.engine_states import REPO_ROOT
+        from data.states.engine import REPO_ROOT
         return LiveServer(argv, port=port, log_path=tmp_path / f"{name}.log", startup_timeout=600,
                           env={"PYTHONPATH": str(REPO_ROOT), "VLLM_CPU_KVCACHE_SPACE": "1",
                                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, eval_cli
-from data.prompts import eval_prompts, is_holdout
+from data.sources.prompts import eval_prompts, is_holdout
 from eval.report import ReportSettings, acceptance_metrics, round_timing
 from eval.run import EvalDecode, ScheduleError, run_eval, run_eval_stage
 from eval.spec_decode import RoundRecord

@@ -239,7 +239,7 @@ def test_regeneration_server_lands_on_the_ranks_visible_gpu(monkeypatch, engine)
     GPU 5 (torch's cuda:1), not GPU 1 (another job's); without the variable, GPU 1; past the list, a clear error."""
     from core.dist import Dist
     from core.server_procs import visible_gpu
-    from data.regen_backends import OWN_SERVER_BACKENDS
+    from data.regen.backends import OWN_SERVER_BACKENDS
 
     placement = OWN_SERVER_BACKENDS[engine].placement
     rank = Dist(rank=1, world_size=4, local_rank=1, device=torch.device("cuda", 1))

@@ -30,9 +30,9 @@ MAX_LINES = 620  # "~600"
 def _modules() -> dict[str, Path]:
     modules = {}
     for package in LAYERS:
-        for path in sorted((ROOT / package).glob("*.py")):
-            name = f"{package}.{path.stem}" if path.stem != "__init__" else package
-            modules[name] = path
+        for path in sorted((ROOT / package).rglob("*.py")):  # subpackages too (data/sources, data/regen, ...)
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     modules.update({name: ROOT / rel for name, rel in SCRIPTS.items()})
     return modules
 
@@ -128,7 +128,7 @@ def test_the_checker_sees_a_hidden_upward_import(tmp_path):
 
 
 def test_long_files_say_why():
-    files = [p for p in ROOT.glob("*.py")] + [p for package in LAYERS for p in (ROOT / package).glob("*.py")]
+    files = [p for p in ROOT.glob("*.py")] + [p for package in LAYERS for p in (ROOT / package).rglob("*.py")]
     files += list((ROOT / "benchmarks").glob("*.py"))
     long = []
     for path in files:
@@ -180,7 +180,7 @@ def long_parameter_lists(packages=("train", "eval", "export"), limit=MAX_PARAMET
     function in `packages` with more than `limit`."""
     found = {}
     for package in packages:
-        for path in sorted((ROOT / package).glob("*.py")):
+        for path in sorted((ROOT / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     args = node.args

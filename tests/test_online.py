@@ -12,8 +12,8 @@ from conftest import run_cli, set_args, tiny_overrides
 from core import stage
 from core.dist import Dist
 from core.recipe import load_recipe
-from data.capture import CacheJob, open_cache, run_cache
-from data.online import OnlineRecords
+from data.states.capture import CacheJob, open_cache, run_cache
+from data.states.online import OnlineRecords
 from modeling.target import load_target, load_tokenizer
 from pipeline import main
 from test_trainer import TRAIN, assert_same_run, metrics

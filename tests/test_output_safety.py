@@ -112,7 +112,7 @@ def test_outputs_follow_the_users_umask(tmp_path):
 def test_urls_lose_their_credentials_in_files_errors_and_tracker_configs(tmp_path):
     from core.recipe import load_recipe, shareable_recipe_dict
     from core.redact import redact_url, redact_urls
-    from data.regen_backends import OpenAIBackend
+    from data.regen.backends import OpenAIBackend
 
     assert redact_url("http://alice:s3cret@10.1.2.3:30000/v1?api_key=abc") == \
         "http://<redacted>@10.1.2.3:30000/v1?<redacted>"
@@ -134,7 +134,7 @@ def test_a_server_that_never_answers_stops_the_stage_after_the_stall_timeout():
     import time
 
     from core.recipe import load_recipe
-    from data.regen_backends import OpenAIBackend, RegenStallError
+    from data.regen.backends import OpenAIBackend, RegenStallError
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

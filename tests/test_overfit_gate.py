@@ -24,7 +24,7 @@ from conftest import ROOT, carries
 from core.server_procs import tagged_processes
 
 from core.recipe import load_recipe
-from data.capture import open_cache
+from data.states.capture import open_cache
 from eval.replay import replay_records
 from eval.report import ReportSettings
 from eval.run import EvalDecode, run_eval

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from data.cache import CacheCorruptedError, CacheMismatchError
-from data.capture import open_cache
+from data.states.cache import CacheCorruptedError, CacheMismatchError
+from data.states.capture import open_cache
 from modeling.target import load_tokenizer
 from pipeline import main
 from core.recipe import load_recipe
@@ -139,7 +139,7 @@ def test_auto_backend_regenerates_through_vllm_where_it_is_built_and_a_folder_ke
     """The SmolLM2 recipes' regen.backend auto: vLLM's server where a python with vLLM is found, else in-process with
     the fix named; a CUDA device keeps it in-process (the project's vLLM is the CPU build). A run says its choice and
     pins the concrete backend; a later run on the folder keeps it whatever it would choose now."""
-    from data.regen_backends import choose_backend
+    from data.regen.backends import choose_backend
 
     assert load_recipe("dspark_smollm2_135m").regen.backend == "auto"
     assert load_recipe("dspark_smollm2_135m_overfit").regen.backend == "hf"

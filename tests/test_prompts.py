@@ -1,4 +1,4 @@
-"""Tests for data.sources, data.readers, data.rows and data.prompts: sources, file formats, row shapes, errors, dedup,
+"""Tests for data.sources (registry, readers, rows, prompts): sources, file formats, row shapes, errors, dedup,
 splitting and mixing."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from data import readers, sources
-from data.prompts import eval_prompts, is_holdout, load_prompts
-from data.rows import Prompt
-from data.sources import load_source
+from data.sources import readers
+from data.sources import registry as sources
+from data.sources.prompts import eval_prompts, is_holdout, load_prompts
+from data.sources.rows import Prompt
+from data.sources.registry import load_source
 
 
 @dataclass
@@ -125,7 +126,7 @@ def test_sharegpt_file_cut_at_its_end_keeps_what_came_before_with_a_warning(tmp_
     text = json.dumps(convs, indent=2)
     path = tmp_path / "cut.json"
     path.write_text(text[: text.index("question 4") + 20])  # a truncated download: the last conversation runs to EOF
-    with caplog.at_level("WARNING", logger="data.readers"):
+    with caplog.at_level("WARNING", logger="data.sources.readers"):
         rows = load_source("sharegpt", path=str(path))
     assert [p.id for p in rows] == [f"sharegpt:c{i}" for i in range(4)]
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]

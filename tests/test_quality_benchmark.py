@@ -214,7 +214,7 @@ def test_grid_shares_each_data_size_and_writes_the_prediction_before_running_it(
 def test_in_distribution_prompts_follow_the_data_runs_seed_not_training_overrides(tmp_path, monkeypatch):
     """A second training seed (--set seed=43) must not move the in-distribution split: it is the data run's."""
     from core.recipe import load_recipe, recipe_to_dict
-    from data.prompts import load_prompts
+    from data.sources.prompts import load_prompts
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"question {i}"]}) + "\n" for i in range(60)))

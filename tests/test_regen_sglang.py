@@ -24,8 +24,8 @@ from core.recipe import load_recipe
 from core.server import engine_python_problem
 from core.server_procs import tagged_processes
 from data.chat import render_prompt_ids
-from data.regen_backends import SGLangBackend
-from data.regenerate import RegenJob, read_records, run_regenerate
+from data.regen.backends import SGLangBackend
+from data.regen.regenerate import RegenJob, read_records, run_regenerate
 from modeling.target import load_tokenizer
 from pipeline import main
 

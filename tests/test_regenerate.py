@@ -15,10 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from conftest import carries
-from data import regen_backends, regenerate
-from data.rows import Prompt
-from data.regen_backends import Answer, OpenAIBackend
-from data.regenerate import RegenJob, regenerate_chunk, run_regenerate
+from data.regen import backends as regen_backends
+from data.regen import regenerate
+from data.sources.rows import Prompt
+from data.regen.backends import Answer, OpenAIBackend
+from data.regen.regenerate import RegenJob, regenerate_chunk, run_regenerate
 from core.dist import Dist
 from core.recipe import load_recipe
 from core.stage import StageMismatchError
@@ -145,7 +146,7 @@ def test_openai_backend_retries_server_errors_and_rate_limits_honouring_retry_af
     sends one (capped at 30 s); any other 4xx is the request's own fault and is not."""
     drill("server", "regeneration server: 5xx, then 429 with Retry-After")
     sleeps = []
-    monkeypatch.setattr("data.regen_backends.time.sleep", sleeps.append)
+    monkeypatch.setattr("data.regen.backends.time.sleep", sleeps.append)
     flaky = _ChatServer(plan=(500, 429), retry_after="7")
     capped = _ChatServer(plan=(429,), retry_after="3600")
     refused = _ChatServer(plan=(400, 400, 400))
@@ -192,7 +193,7 @@ def test_source_backend_keeps_the_sources_answers_and_generates_nothing():
     first turn without one, and a prompt without any fails, named."""
     from types import SimpleNamespace
 
-    from data.regen_backends import SourceBackend
+    from data.regen.backends import SourceBackend
 
     recipe = load_recipe("dspark_smollm2_135m", ["regen.backend=source", "loss.ce_labels=target", "data.max_turns=2"])
     tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens: [len(w) for w in text.split()])
@@ -222,7 +223,7 @@ def test_recipe_asking_for_more_prompts_than_its_sources_hold_is_refused_before_
     fixed recipe runs in the same --out."""
     from types import SimpleNamespace
 
-    from data.regenerate import RegenJob, run_regenerate
+    from data.regen.regenerate import RegenJob, run_regenerate
 
     prompts = tmp_path / "five.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"question {i}"]}) + "\n" for i in range(5)))
@@ -269,7 +270,7 @@ class _WithEos:
 
 
 def test_hf_backend_marks_an_answer_that_reached_max_new_tokens_as_truncated(tiny_qwen3, qwen3_tokenizer):
-    from data.regen_backends import HFBackend
+    from data.regen.backends import HFBackend
     from modeling.target import load_target
 
     recipe = load_recipe("dspark_qwen3_8b", ["regen.temperature=0", "regen.max_new_tokens=4"])
@@ -288,7 +289,7 @@ def test_hf_backend_limits_each_answer_by_its_own_prompt_not_the_batchs_longest(
     """data.max_length bounds prompt + answer per conversation: a short prompt batched with one near the limit still
     gets regen.max_new_tokens (it used to get max_length minus the longest prompt, for every row)."""
     from data.chat import render_prompt_ids
-    from data.regen_backends import HFBackend
+    from data.regen.backends import HFBackend
     from modeling.target import load_target
 
     recipe = load_recipe("dspark_qwen3_8b", ["regen.temperature=0", "regen.max_new_tokens=12"])
@@ -306,7 +307,7 @@ def test_hf_backend_limits_each_answer_by_its_own_prompt_not_the_batchs_longest(
 def test_a_truncated_answer_is_not_supervised_as_ended(qwen3_tokenizer):
     """The end-of-turn marker the template puts after a cut answer was never generated there: its loss mask is 0, and
     the rest of the mask is the normal one (an old record, without the key, reads as not truncated)."""
-    from data.capture import tokenize_records
+    from data.states.capture import tokenize_records
 
     recipe = load_recipe("dspark_qwen3_8b", ["data.min_loss_tokens=1"])
     conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
@@ -354,7 +355,7 @@ def test_stage_through_failing_then_rate_limiting_server_gives_the_healthy_serve
         healthy_records, prompt_file, qwen3_tokenizer, tmp_path, monkeypatch, drill):
     drill("server", "regeneration server failing, then rate-limiting, then recovering")
     sleeps = []
-    monkeypatch.setattr("data.regen_backends.time.sleep", sleeps.append)
+    monkeypatch.setattr("data.regen.backends.time.sleep", sleeps.append)
     flaky = _ChatServer(plan=(500, 429), retry_after="2")  # every request: 500, then 429, then its answer
     try:
         done = _run(_openai_recipe([flaky.url], prompt_file), tmp_path / "flaky", qwen3_tokenizer)
@@ -369,7 +370,7 @@ def test_stage_through_failing_then_rate_limiting_server_gives_the_healthy_serve
 def test_server_failures_are_never_marked_done_and_a_rerun_with_a_working_url_completes(
         healthy_records, prompt_file, qwen3_tokenizer, tmp_path, monkeypatch, drill):
     drill("server", "regeneration server dead, then fixed URL")
-    monkeypatch.setattr("data.regen_backends.time.sleep", lambda s: None)
+    monkeypatch.setattr("data.regen.backends.time.sleep", lambda s: None)
     out = tmp_path / "regen"
     with pytest.raises(RuntimeError, match=r"8 conversations failed on the server, in 3 of 3 chunks .*"
                                            r"ConnectionError from http://127\.0\.0\.1:9.*"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from core.recipe import load_recipe
-from data.prompts import eval_prompts
+from data.sources.prompts import eval_prompts
 from eval import arms as arms_module
 from eval.arms import speed_ratio
 from eval.report import ReportSettings

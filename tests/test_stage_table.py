@@ -10,8 +10,8 @@ from conftest import tiny_overrides
 from core import stage
 from core.dist import Dist
 from core.recipe import load_recipe
-from data.capture import CacheJob
-from data.regenerate import RegenJob
+from data.states.capture import CacheJob
+from data.regen.regenerate import RegenJob
 from draftsmith import main as draftsmith
 from export.convert import ExportJob
 from export.serving import STS_FILENAME

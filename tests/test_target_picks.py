@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, set_args
 from core.recipe import FAMILIES, compose_recipe, load_recipe
 from data.assets import build_qwen3_tokenizer, make_tiny_target
-from data.sources import read_source, resolve_source
+from data.sources.registry import read_source, resolve_source
 from modeling.target import load_target, load_tokenizer
 from modeling.target_picks import non_embedding_params, pick_dtype, pick_for_target, pick_layer_ids, pick_mask_token
 from pipeline import main

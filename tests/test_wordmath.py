@@ -1,4 +1,4 @@
-"""The grade-school word-problem source (data/wordmath.py, source `wordmath`): thousands of distinct problems of
+"""The grade-school word-problem source (data/sources/wordmath.py, source `wordmath`): thousands of distinct problems of
 every template, the same on every run, whole numbers, and a clear error for a `path` it would ignore. That no
 held-out prompt is among a recipe's training prompts is tests/test_code_source.py's no-leak test."""
 
@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from data import wordmath
-from data.sources import load_source, source_problem
+from data.sources import wordmath
+from data.sources.registry import load_source, source_problem
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from torch import nn
 
 from modeling.dspark import (DSparkDecoderLayer, DSparkModel, block_targets, build_dspark_config,
                             sample_anchor_positions)
-from data.capture import read_loss_token_counts
+from data.states.capture import read_loss_token_counts
 from modeling.eagle3 import Eagle3DecoderLayer, Eagle3Model, build_eagle3_config, ttt_valid_mask
 from modeling.registry import architecture_for_family, save_draft
 from modeling.vocab import build_vocab_mapping, target_to_draft

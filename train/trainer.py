@@ -1,5 +1,5 @@
 """The one Trainer: fits a DSpark, DFlash or Eagle3 drafter on the target's hidden states (from the cache stage, or
-computed per step by the target itself: train.hidden_states online, data/online.py).
+computed per step by the target itself: train.hidden_states online, data/states/online.py).
 
     torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m --stages train
 
@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from core import stage
 from core.io import (CHECKSUMS_NAME, DamagedFileError, atomic_write_text, make_dir, open_append, publish_dir,
                      require_free_space, write_checksums)
-from data.capture import TARGET_WEIGHTS_META
+from data.states.capture import TARGET_WEIGHTS_META
 from modeling import cpu_linear
 from modeling.draft_folder import WEIGHTS_NAME
 from modeling.registry import TARGET_WEIGHTS_KEY, draft_digest, load_draft_model, read_config
@@ -254,7 +254,7 @@ class Logger:
 
 @dataclass(frozen=True)
 class TrainJob:
-    """What one train stage runs: the recipe, the records (an opened TargetCache, data/online.py's OnlineRecords or
+    """What one train stage runs: the recipe, the records (an opened TargetCache, data/states/online.py's OnlineRecords or
     train/opd.py's RolloutRecords: one interface), the folder it writes, its ranks, the target (loaded on first call),
     and a draft folder to start from instead of the recipe's initialisation (`init_from`: opd's rounds)."""
 

@@ -11,7 +11,7 @@ question. The numbers are chosen so that each step comes out whole (but for one 
 
 Deterministic: problem i is drawn from a generator seeded by its id, so the same count gives the same prompts in the
 same order, and a prefix of a longer list is the shorter list; a recipe's seed then picks and orders them like any
-source read whole (data/prompts.py).
+source read whole (data/sources/prompts.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from data.rows import Prompt
+from data.sources.rows import Prompt
 
 __all__ = ["COUNT", "word_problems"]
 

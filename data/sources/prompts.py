@@ -22,8 +22,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from data.rows import Prompt
-from data.sources import SourceSpec, read_source, resolve_source
+from data.sources.rows import Prompt
+from data.sources.registry import SourceSpec, read_source, resolve_source
 
 __all__ = ["DEFAULT_HOLDOUT_FRACTION", "eval_prompts", "is_holdout", "load_prompts", "training_overlap"]
 

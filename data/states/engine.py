@@ -16,7 +16,7 @@ before the final norm), so DraftSmith's layer id i (the output of layer i) is vL
 is the target's own final norm applied here to vLLM's layer num_layers. Rows are sent one request each, many in
 flight (vLLM batches them continuously; no padding).
 
-Without cache.server_urls each rank starts its own server (data/regen_backends.py's placement, core/server.py's
+Without cache.server_urls each rank starts its own server (data/regen/backends.py's placement, core/server.py's
 LiveServer: stopped whatever happens, killed with the stage). With cache.server_urls the servers run elsewhere,
 started with `engine_server_args(...)`'s flags, and cache.states_dir must be the folder they write, as this machine
 sees it (a shared file system).
@@ -40,7 +40,7 @@ import torch
 from core.dist import Dist
 from core.redact import redact_url
 from core.server import LiveServer, default_engine_python, free_port, log_tail, vllm_server_command
-from data.regen_backends import VLLMBackend
+from data.regen.backends import VLLMBackend
 from modeling.target import resolve_target, target_dtype
 
 CONNECTOR_MODULE = "core.vllm_states_connector"  # loaded by the vLLM server, from this checkout (PYTHONPATH)
@@ -70,8 +70,8 @@ def engine_server_args(aux_ids: list[int], states_dir: str) -> list[str]:
 
 
 class EngineStates:
-    """`capture(rows, dtype)`: (hidden [T, K*H], last [T, H]) of each row, as data/capture.capture_rows gives them, from
-    vLLM servers: its own (started here, stopped by `close`) or cache.server_urls'. `norm` is the target's final norm
+    """`capture(rows, dtype)`: (hidden [T, K*H], last [T, H]) of each row, as capture.capture_rows gives them,
+    from vLLM servers: its own (started here, stopped by `close`) or cache.server_urls'. `norm` is the target's final norm
     (a module of the target loaded without its decoder layers: modeling/target.load_target_parts)."""
 
     def __init__(self, recipe, dist: Dist, log_dir: Path, norm: torch.nn.Module, num_layers: int):
@@ -170,7 +170,7 @@ class EngineStates:
         if path is None:
             raise EngineStatesError(f"{redact_url(url)} answered without kv_transfer_params.hidden_states_path: it "
                                     f"does not run extract_hidden_states with the hidden-states connector; start it "
-                                    f"with data/engine_states.engine_server_args' flags{self._log()}")
+                                    f"with data/states/engine.engine_server_args' flags{self._log()}")
         # The server's path, read here: cache.states_dir names the same folder as this machine sees it.
         local = self.states_dir / Path(path).name
         self._wait_written(local)

@@ -2,7 +2,7 @@
 
 Each user turn is replayed in order with the target's own earlier answers as context; the source's answers are never
 used. The backends (in-process HF, servers already running, servers the stage starts itself, the source's own answers)
-are in data/regen_backends.py; this module is the stage: chunks, resume, merge.
+are in data/regen/backends.py; this module is the stage: chunks, resume, merge.
 
 Resume: prompts are cut into fixed chunks of `regen.batch_size`; chunk k goes to rank k % world and is written to
 `chunks/chunk-k.json` atomically once all its conversations are done, with a seed derived from (recipe seed, k).
@@ -34,9 +34,9 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from data.chat import build_messages, render_prompt_ids
-from data.prompts import load_prompts
-from data.regen_backends import Answer, OpenAIBackend, SourceBackend, open_backend
-from data.rows import Prompt
+from data.sources.prompts import load_prompts
+from data.regen.backends import Answer, OpenAIBackend, SourceBackend, open_backend
+from data.sources.rows import Prompt
 from core import stage
 from core.io import atomic_open, atomic_write_json
 from core.dist import Dist, fault_point

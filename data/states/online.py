@@ -9,7 +9,7 @@ get the selected layers' outputs and the final-norm state. Nothing reaches the d
 6.9 KB per token for SmolLM2 and 30-40 KB per token for an 8B target, terabytes for a real run.
 
 The states are rounded to `cache.dtype` and through `cache.encoding`, exactly as an offline run reads them back from
-the cache (data/cache.py's `as_stored`), so an online run and an offline run of one recipe (same seed, same rows)
+the cache (data/states/cache.py's `as_stored`), so an online run and an offline run of one recipe (same seed, same rows)
 train on the same numbers and log the same losses. The price is one target forward per sequence per epoch instead of
 one in all; a target too large to sit beside the drafter in every training process keeps the offline cache.
 """
@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from core.dist import Dist
-from data.cache import as_stored
-from data.capture import (TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, cache_spec, capture_rows, loss_token_counts,
+from data.states.cache import as_stored
+from data.states.capture import (TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, cache_spec, capture_rows, loss_token_counts,
                           regen_digest, training_rows)
-from data.engine_states import EngineStates
+from data.states.engine import EngineStates
 from modeling.target import backbone, decoder_layers, target_hidden_size, weights_fingerprint
 
 
@@ -35,7 +35,7 @@ class OnlineRecords:
     `cache.batch_size` records, right before the micro-batch's forward (so a step never holds more than one
     micro-batch of states).
 
-    Under cache.backend engine the states come from a vLLM server instead (data/engine_states.py: the stage's own,
+    Under cache.backend engine the states come from a vLLM server instead (data/states/engine.py: the stage's own,
     started on the first micro-batch and stopped by `close`, or cache.server_urls'), and `get_model` gives the target
     without its decoder layers."""
 

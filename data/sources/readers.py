@@ -9,8 +9,8 @@
   ~25 s: :func:`load_hub_rows`.
 
 A file that cannot be decoded (invalid UTF-8, a cut or corrupt ``.gz``) or parsed is refused with a
-:class:`~core.io.DamagedFileError` naming it. What a row means is data/rows.py; which source reads which file is
-data/sources.py.
+:class:`~core.io.DamagedFileError` naming it. What a row means is data/sources/rows.py; which source reads which file is
+data/sources/registry.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The regenerate stage's backends (data/regenerate.py is the stage): `generate(list of message lists, seed) -> list of
-Answer`, one Answer per conversation, in order.
+"""The regenerate stage's backends (regenerate.py beside it is the stage): `generate(list of message lists, seed) ->
+list of Answer`, one Answer per conversation, in order.
   * `HFBackend`: in-process batched `model.generate` (default; the embedded target on CPU, any HF model on GPU);
   * `OpenAIBackend`: any OpenAI-compatible server already running (SGLang `launch_server`, vLLM); several URLs = data
     parallel;
@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from data.chat import render_prompt_ids
-from data.rows import Prompt
+from data.sources.rows import Prompt
 from core.dist import Dist
 from core.redact import redact_url, redact_urls
 from core.server import (LiveServer, default_engine_python, engine_python_problem, free_port, sglang_server_command,

@@ -1,6 +1,6 @@
 """Storage layer of the target hidden-state cache (no model code here): the on-disk format and its reader.
 
-Writing is data/cache_writer.py (`CacheWriter`); reading is `TargetCache` here.
+Writing is data/states/cache_writer.py (`CacheWriter`); reading is `TargetCache` here.
 
 The cache stage runs the frozen target model once over the training conversations and stores, per
 conversation ("record"), what a drafter needs at train time:
@@ -24,7 +24,7 @@ tensors of that dtype. How they are stored is the cache's encoding (``cache.enco
     nothing to an exact absmax/448 scale, and scaling by it is exact). An array is its ``T*rows*H`` value bytes
     followed directly by its ``T*rows`` int8 exponents: ``H + 1`` bytes a row against bf16's ``2H``. Reads decode
     to a copy (``value * 2**exponent`` in the cache dtype); ``as_stored`` is the same round trip in memory
-    (data/online.py rounds its states with it).
+    (data/states/online.py rounds its states with it).
 
 On-disk layout of a cache directory
 -----------------------------------
@@ -249,7 +249,7 @@ def fp8_decode(values: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype
 
 def as_stored(states: torch.Tensor, spec: CacheSpec) -> torch.Tensor:
     """`states` ([T, n*H]: n layers' rows per token) exactly as a cache of `spec` gives them back: in its dtype and
-    through its encoding. What data/online.py trains on, so online and offline runs see the same numbers."""
+    through its encoding. What data/states/online.py trains on, so online and offline runs see the same numbers."""
     states = states.to(spec.torch_dtype)
     if spec.encoding == "raw":
         return states
@@ -453,7 +453,7 @@ class TargetCache(torch.utils.data.Dataset):
         return int(self.manifest["num_tokens"])
 
     def with_hidden(self, records: list[dict]) -> list[dict]:
-        """The records, ready for a forward: cache records carry their hidden states already (data/online.py's
+        """The records, ready for a forward: cache records carry their hidden states already (data/states/online.py's
         reader computes them here instead)."""
         return records
 

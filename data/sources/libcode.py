@@ -10,7 +10,7 @@ a Python function that returns ..."). The target writes the code; the library's 
 
 Deterministic: the same folder (the same Python version, for the standard library) gives the same prompts in the
 same order, each shaped by a template picked by a hash of its qualified name; a recipe's seed then picks and orders
-them like any source read whole (data/prompts.py). Every function whose name HumanEval uses is left out (the caller
+them like any source read whole (prompts.py). Every function whose name HumanEval uses is left out (the caller
 passes those names), so that no held-out function reaches training under its own name.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.rows import IdMaker, Prompt
+from data.sources.rows import IdMaker, Prompt
 
 __all__ = ["LibFunction", "library_functions", "library_prompts", "render_prompt"]
 

@@ -4,7 +4,7 @@ Every record keeps input ids, the assistant-only loss mask, the outputs of the r
 final-norm state (target logits are recomputed later with the frozen lm_head; vocabulary-sized logits are never
 stored). Shards are fixed up front (`cache.records_per_shard` conversations each), shard s is written by rank
 s % world, and each shard is published atomically, so a killed run resumes with the missing shards only and the
-finished cache is byte-identical to an uninterrupted one. See data/cache.py for the on-disk format.
+finished cache is byte-identical to an uninterrupted one. See data/states/cache.py for the on-disk format.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from data.cache import CacheSpec, TargetCache, bytes_per_token, format_bytes
-from data.cache_writer import CacheWriter
+from data.states.cache import CacheSpec, TargetCache, bytes_per_token, format_bytes
+from data.states.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
-from data.regenerate import RECORDS_NAME, iter_records
-from data.engine_states import EngineStates
+from data.regen.regenerate import RECORDS_NAME, iter_records
+from data.states.engine import EngineStates
 from modeling.target import (backbone, capture_hidden_states, check_layer_ids, decoder_layers, target_hidden_size,
                              weights_fingerprint)
 from modeling.vocab import count_tokens
@@ -134,7 +134,7 @@ def read_loss_token_counts(cache: TargetCache, vocab_size: int) -> torch.Tensor:
 def capture_rows(model, rows: list[dict], layer_ids: list[int], dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(hidden_states [T, K*H], last_hidden_state [T, H]) of each row, in `dtype` on the CPU, from one target forward
     over the rows (right-padded: the forward is causal, so real positions never see the padding). The cache stage
-    stores these; the train stage's online mode (data/online.py) computes them for each step's rows instead."""
+    stores these; the train stage's online mode (data/states/online.py) computes them for each step's rows instead."""
     device = model.device
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)

@@ -3,7 +3,7 @@
 Training a speculative-decoding drafter starts from user prompts: the target model answers
 them and the drafter learns from the target's own answers.  This module maps a source name
 (and optional ``path``) to the reader of its rows and returns every row as a
-:class:`~data.rows.Prompt` (user turns only: any assistant answers in the source are kept
+:class:`~data.sources.rows.Prompt` (user turns only: any assistant answers in the source are kept
 aside, because the target regenerates them).
 
 Sources (``name`` of :func:`load_source`, ``path`` optional unless said otherwise):
@@ -28,21 +28,21 @@ Sources (``name`` of :func:`load_source`, ``path`` optional unless said otherwis
 ``libcode``
     Function-completion and code-writing requests made from the signatures and docstrings of
     the Python standard library (or of the Python files under ``path``); every function
-    HumanEval defines is left out (data/libcode.py).  A training source for code that is not an
+    HumanEval defines is left out (data/sources/libcode.py).  A training source for code that is not an
     eval source.
 ``wordmath``
-    Grade-school word problems made from templates (data/wordmath.py): a training source for math
+    Grade-school word problems made from templates (data/sources/wordmath.py): a training source for math
     that needs no download (GSM8K train is the hub's, or a local file).
 a local ``.json`` / ``.jsonl`` file (optionally ``.gz``), or ``json`` with ``path``
-    Rows in any of the shapes listed in :data:`~data.rows.ACCEPTED_SHAPES`; shapes may be mixed.
+    Rows in any of the shapes listed in :data:`~data.sources.rows.ACCEPTED_SHAPES`; shapes may be mixed.
 an HF dataset id ``owner/name`` (or a local dataset directory)
     ``datasets.load_dataset(name, split=split)``, rows in the same shapes.
 
 Package data is located with ``importlib.metadata`` only: the packages' Python code is never
 imported (some of them import heavy server stacks).  Every prompt has a stable id
-``f"{source}:{original id or row index}"``.  The file formats are data/readers.py, the row
-shapes data/rows.py; choosing and mixing prompts from several sources (weights, held-out split,
-dedup) is data/prompts.py.
+``f"{source}:{original id or row index}"``.  The file formats are data/sources/readers.py, the row
+shapes data/sources/rows.py; choosing and mixing prompts from several sources (weights, held-out split,
+dedup) is data/sources/prompts.py.
 """
 
 from __future__ import annotations
@@ -57,11 +57,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from core.io import DamagedFileError
-from data.libcode import library_prompts
-from data.readers import (NotAnArray, decode_errors_named, iter_json_array_stream, load_hub_rows, open_text,
+from data.sources.libcode import library_prompts
+from data.sources.readers import (NotAnArray, decode_errors_named, iter_json_array_stream, load_hub_rows, open_text,
                           package_file, read_json_rows)
-from data.rows import IdMaker, Prompt, clean_answers, clean_turns, gsm8k_answer, row_id, rows_to_prompts, shape_error
-from data.wordmath import COUNT, word_problems
+from data.sources.rows import (IdMaker, Prompt, clean_answers, clean_turns, gsm8k_answer, row_id, rows_to_prompts,
+                               shape_error)
+from data.sources.wordmath import COUNT, word_problems
 
 __all__ = ["BUILTIN_SOURCES", "SourceSpec", "humaneval_names", "load_source", "read_source", "resolve_source",
            "source_problem"]

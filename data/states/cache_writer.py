@@ -1,11 +1,11 @@
-"""Writing the hidden-state cache: `CacheWriter` (the on-disk format and the reader are data/cache.py).
+"""Writing the hidden-state cache: `CacheWriter` (the on-disk format and the reader are data/states/cache.py).
 
     writer = CacheWriter(root, spec, num_records=N, records_per_shard=1024, meta={...})
     for shard in writer.pending_shards():          # any rank, any order; a resumed run redoes only these
         writer.write_shard(shard, records_of(shard))
     manifest = writer.finalize()                   # index.bin, then manifest.json: the cache is complete
 
-Crash safety (see the format's description in data/cache.py): a shard is streamed to `shard-XXXXX.bin.tmp`, then
+Crash safety (see the format's description in data/states/cache.py): a shard is streamed to `shard-XXXXX.bin.tmp`, then
 published with its sidecar `shard-XXXXX.idx.json` (the shard's commit marker) in that order, each fsynced, so a kill at
 any moment leaves complete shards and pending ones, never a half shard that looks complete. `writer-plan.json` pins
 the writer's parameters while the cache is being written.
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from core.io import atomic_write_bytes, fsync_dir, make_dir, open_new, replace, sync_file, write_failure
-from data.cache import (ALIGNMENT, FORMAT_VERSION, INDEX_NAME, INDEX_STRUCT, MANIFEST_NAME, CacheCorruptedError,
+from data.states.cache import (ALIGNMENT, FORMAT_VERSION, INDEX_NAME, INDEX_STRUCT, MANIFEST_NAME, CacheCorruptedError,
                         CacheMismatchError, CacheSpec, align, canonical_json, fp8_encode, remove_if_exists, shard_name,
                         sidecar_name)
 
@@ -75,7 +75,7 @@ def _to_hidden_tensor(value: Any, what: str, spec: CacheSpec) -> torch.Tensor:
 
 
 def _encoded(states: torch.Tensor, spec: CacheSpec) -> list[np.ndarray]:
-    """[T, n*H] states in the cache dtype -> the byte arrays they are stored as, back to back (see data/cache.py)."""
+    """[T, n*H] states in the cache dtype -> the byte arrays they are stored as, back to back (see cache.py)."""
     if spec.encoding == "fp8":
         values, exponents = fp8_encode(states.view(states.shape[0], -1, spec.hidden_size))
         return [values.view(torch.uint8).numpy(), exponents.numpy()]

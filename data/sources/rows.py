@@ -3,8 +3,8 @@
 A training prompt is the user side of a conversation: the target model regenerates the answers, so a source row is
 reduced to its user turns (and an optional leading system message) as a :class:`Prompt`. Rows come in the shapes of
 :data:`ACCEPTED_SHAPES`, which may be mixed within one file; a row of no known shape is refused with its file, its row
-number, the keys it has and the shapes accepted. The readers that turn files into rows are data/readers.py; which
-source reads which file is data/sources.py.
+number, the keys it has and the shapes accepted. The readers that turn files into rows are readers.py; which source reads
+which file is registry.py (both in data/sources/).
 """
 
 from __future__ import annotations
