@@ -197,6 +197,22 @@ def prepare_in_distribution_data(out: Path, data_run: Path, sources: str, count:
     return run
 
 
+def holdout_prompt_file(data_run: Path, per_source: int, path: Path) -> Path:
+    """`per_source` prompts of each of `data_run`'s training sources that its training never saw (each source's
+    held-out split under the run's data.holdout_fraction and seed), first turns only, written to `path` (JSONL): in
+    distribution, yet unseen, as a calibration set wants."""
+    from core.recipe import load_recipe
+    from data.sources.prompts import load_prompts
+
+    recipe = load_recipe(str(data_run / "recipe.yaml"))
+    prompts = [p for source in recipe.data.sources for p in load_prompts(
+        [{"name": source.name, "path": source.path}], per_source, recipe.data.holdout_fraction, recipe.seed,
+        split="holdout")]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in prompts))
+    return path
+
+
 def open_eval_cache(recipe_name: str, eval_run: Path):
     """The held-out prompts' cache (prepare_eval_data), read with `recipe_name`'s layers."""
     from core.recipe import load_recipe

@@ -91,8 +91,12 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--draft", type=Path, required=True, help="a DSpark draft folder with a confidence head")
     parser.add_argument("--eval-prompts", type=Path, required=True, help="held-out prompt file (JSON/JSONL)")
-    parser.add_argument("--calibration-prompts", type=Path, required=True,
-                        help="other prompts the draft never trained on, for the STS calibration")
+    calibration = parser.add_mutually_exclusive_group(required=True)
+    calibration.add_argument("--calibration-prompts", type=Path,
+                             help="other prompts the draft never trained on, for the STS calibration")
+    calibration.add_argument("--calibration-run", type=Path, help="or the draft's training run (its recipe.yaml): "
+                             "--calibration-per-source prompts of each of its sources' held-out split")
+    parser.add_argument("--calibration-per-source", type=int, default=6, help="with --calibration-run (6)")
     parser.add_argument("--num-samples", type=int, default=0, help="eval prompts to use (0: all)")
     parser.add_argument("--num-calibration", type=int, default=0, help="calibration prompts to use (0: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (128)")
@@ -103,7 +107,9 @@ def main(argv=None) -> int:
     from modeling.draft_folder import is_draft_dir
 
     problems = [f"{flag} {path}: no such file" for flag, path in (("--eval-prompts", args.eval_prompts),
-                ("--calibration-prompts", args.calibration_prompts)) if not path.is_file()]
+                ("--calibration-prompts", args.calibration_prompts),
+                ("--calibration-run", args.calibration_run and args.calibration_run / "recipe.yaml"))
+                if path is not None and not path.is_file()]
     if not is_draft_dir(args.draft):
         problems.append(f"--draft {args.draft}: not a draft folder (config.json + model.safetensors)")
     try:
@@ -129,6 +135,11 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     keep_freed_memory()
+    if args.calibration_run is not None:
+        from benchmarks.harness import holdout_prompt_file
+
+        args.calibration_prompts = holdout_prompt_file(args.calibration_run, args.calibration_per_source,
+                                                       args.out / "calibration_prompts.jsonl")
     target = load_target(TARGET, "cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(TARGET)
     calibration = run_eval(EvalDecode(

@@ -134,7 +134,8 @@ class CacheConfig:
     batch_size: int = setting(8, "conversations per target forward", bound=POSITIVE)
     # engine: the training processes then load only the target's embedding, final norm and lm_head
     # (modeling/target.load_target_parts); with train.hidden_states online the train stage asks the engine per
-    # micro-batch.
+    # micro-batch. vLLM only: SGLang 0.5.23's stock capture (--enable-return-aux-hidden-states) gives the named
+    # layers' inputs but not the last layer's output the final-norm state needs, and returns states as JSON lists.
     backend: Literal["hf", "engine"] = setting("hf", "where hidden states come from: hf = the target in-process (each "
                                                "rank loads it whole) | engine = a vLLM server (extract_hidden_states; "
                                                "data/states/engine.py)")

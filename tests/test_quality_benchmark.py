@@ -233,6 +233,28 @@ def test_in_distribution_prompts_follow_the_data_runs_seed_not_training_override
     assert chosen[42] != chosen[43]
 
 
+def test_calibration_prompts_are_each_training_sources_unseen_prompts(tmp_path):
+    """verify_schedule.py --calibration-run: per source, prompts of the run's held-out split (never trained on)."""
+    from core.recipe import load_recipe, recipe_to_dict
+    from data.sources.prompts import load_prompts
+
+    files = {}
+    for name in ("a", "b"):
+        files[name] = tmp_path / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps({"id": str(i), "turns": [f"{name} question {i}"]}) + "\n"
+                                       for i in range(40)))
+    sources = f"[{{name: '{files['a']}'}}, {{name: '{files['b']}'}}]"
+    recipe = load_recipe("dspark_smollm2_135m", [f"data.sources={sources}", "data.holdout_fraction=0.25",
+                                                 "data.num_prompts=50"])
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
+    written = harness.holdout_prompt_file(tmp_path, 3, tmp_path / "out" / "calibration.jsonl")
+    rows = [json.loads(line) for line in written.read_text().splitlines()]
+    trained = {p.id for p in load_prompts(yaml.safe_load(sources), 50, 0.25, recipe.seed)}
+    assert len(rows) == 6 and [r["id"].split(":")[0] for r in rows] == ["a"] * 3 + ["b"] * 3
+    assert trained and not trained & {r["id"] for r in rows}  # none of them a training prompt
+    assert all(len(r["turns"]) == 1 for r in rows)
+
+
 def _result(curves: dict, ngram: dict, records: list[dict]) -> dict:
     """A quality.json as main writes it, with two eval records and made-up loop figures."""
     report = {"accept_len": 1.5, "exact_match": 1.0, "spec_tokens_per_s": 50.0, "speedup": 1.1,
