@@ -46,8 +46,8 @@ the same tables (its training minutes are its own run's). The
 helpers the benchmark scripts share (the pipeline in a child process, the data, the replays) live in
 benchmarks/harness.py. --full-vocab replays and runs the block drafts over the whole vocabulary (their loss.vocab_size
 token map ignored), as the serving engines draft; with DSpark among the families each other family's final draft is
-also tabled over DSpark's per source and copy-heavy / rest, beside every final draft's conditional acceptance at each
-draft position.
+also tabled over DSpark's per source and copy-heavy / rest (--over NAME: over another draft's, e.g. an --also-draft),
+beside every final draft's conditional acceptance at each draft position.
 """
 
 from __future__ import annotations
@@ -235,16 +235,17 @@ def family_ratios(curves: dict) -> list[str]:
     return lines
 
 
-def family_source_tables(curves: dict, ngram: dict, records: list[dict]) -> list[str]:
-    """Each other family's final draft over DSpark's, replayed on the same held-out records, per source and for the
-    copy-heavy prompts (prompt lookup's own tau > 2.5) and the rest, with paired intervals (eval/compare.py)."""
-    if not records or "dspark" not in curves or "per_record_rounds" not in curves["dspark"][-1]:
+def family_source_tables(curves: dict, ngram: dict, records: list[dict], over: str = "dspark") -> list[str]:
+    """Each other draft's final draft over `over`'s (DSpark's, or an --also-draft's: --over), replayed on the same
+    held-out records, per source and for the copy-heavy prompts (prompt lookup's own tau > 2.5) and the rest, with
+    paired intervals (eval/compare.py)."""
+    if not records or over not in curves or "per_record_rounds" not in curves[over][-1]:
         return []  # (results saved before the records were kept)
     sources, lines = [r["source"] for r in records], []
-    for other in (f for f in curves if f != "dspark" and "per_record_rounds" in curves[f][-1]):
-        rows = source_rows(curves[other][-1], curves["dspark"][-1], sources, lookup=ngram)
-        lines += [f"{other} over dspark, final drafts per source (replayed, T=0):", "",
-                  *source_table(rows, other="dspark"), ""]
+    for other in (f for f in curves if f != over and "per_record_rounds" in curves[f][-1]):
+        rows = source_rows(curves[other][-1], curves[over][-1], sources, lookup=ngram)
+        lines += [f"{other} over {over}, final drafts per source (replayed, T=0):", "",
+                  *source_table(rows, other=over), ""]
     return lines
 
 
@@ -371,6 +372,8 @@ def main() -> int:
                         metavar="NAME=RUN", help="a finished pipeline run's final draft (RUN/train/final), replayed on "
                         "the same held-out prompts and tabled beside the families (repeatable), e.g. "
                         "default=runs/default: the default recipe's own draft")
+    parser.add_argument("--over", default="dspark", help="the draft the others are tabled over, per source with "
+                        "paired intervals (dspark; a family or an --also-draft NAME, e.g. default)")
     args = parser.parse_args()
     if 0.0 not in args.temperatures:
         parser.error("--temperatures must include 0 (the ratios and speedups are T=0's)")
@@ -384,6 +387,8 @@ def main() -> int:
     clash = {name for name, _ in args.also_drafts} & {*FAMILIES, *(f"{f}-{a}" for f in families for a, _ in args.arms)}
     if clash:
         parser.error(f"--also-draft names {sorted(clash)} are a family's or an arm's: name them otherwise")
+    if args.over not in {*families, *(name for name, _ in args.also_drafts)}:
+        parser.error(f"--over {args.over}: not among --families {args.families} or the --also-draft names")
     if args.gsm8k is not None and not (args.gsm8k / "train.jsonl").is_file():
         parser.error(f"--gsm8k {args.gsm8k}: no train.jsonl there")
     out = args.out.resolve()
@@ -502,7 +507,7 @@ def main() -> int:
                 f"{p['replayed_tau']:.3f}" for p in points) + " at steps " + " / ".join(str(p["step"]) for p in points))
         for line in family_ratios(curves) + arm_ratios(curves, arm_pairs) + ngram_ratios(curves, ngram):
             print(f"[quality] {line}")
-        print("\n".join(["", *source_tables(replayed), *family_source_tables(curves, ngram, records),
+        print("\n".join(["", *source_tables(replayed), *family_source_tables(curves, ngram, records, args.over),
                          "Acceptance at each draft position, final drafts (replayed):", "", *position_acceptance(curves)]))
         return 0
 

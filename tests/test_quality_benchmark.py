@@ -350,6 +350,10 @@ def test_family_source_tables_pair_each_family_with_dspark_per_source_and_copy_s
     assert "| copy-heavy (n-gram tau > 2.5) | 1 | 1.800 | 1.500 | 1.200 [1.200, 1.200] | 1 |" in lines
     assert "| rest | 1 | 1.200 | 1.500 | 0.800 [0.800, 0.800] | 0 |" in lines
     assert quality.family_source_tables({"dflash2": [dflash2]}, ngram, records) == []  # no DSpark: nothing to pair
+    # --over: the tables over another draft (an --also-draft's), the ratios inverted
+    over = quality.family_source_tables({"dspark": [dspark], "dflash2": [dflash2]}, ngram, records, over="dflash2")
+    assert over[0] == "dspark over dflash2, final drafts per source (replayed, T=0):"
+    assert "| mtbench | 1 | 1.500 | 1.200 | 1.250 [1.250, 1.250] | 1 |" in over
     table = quality.position_acceptance({"dspark": [dspark], "dflash2": [dflash2]})
     assert table[0].startswith("| final draft | steps | cond@1 | cond@2 | cond@3 | acc@1")
     assert "| dflash2 | 60 | 0.250 | 0.500 | 0.000 | 0.250 | 0.125 | 0.000 |" in table
