@@ -46,9 +46,7 @@ def eval_decode(args):
 def _live(args) -> int:
     from eval.live import LiveServing, print_live_summary, run_live_eval
 
-    if args.temperature > 0:
-        raise SystemExit("--live compares greedy decoding only: drop --temperature")
-    try:
+    try:  # what no engine serves (sampling among it) is refused inside, before any work: eval/live.py live_problem
         report = run_live_eval(eval_decode(args), LiveServing(
             engine=args.engine, engine_python=args.engine_python, dtype=args.dtype,
             startup_timeout=args.startup_timeout, server_args=tuple(args.server_arg)), Path(args.out), args.tolerance)
