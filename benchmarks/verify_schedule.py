@@ -61,6 +61,8 @@ def against_best_ngram(rows: list[dict]) -> dict:
 
 
 def markdown(result: dict) -> str:
+    from eval.compare import source_table
+
     lines = [f"# DSpark's verify scheduler in the batch-1 loop ({result['num_eval_prompts']} held-out prompts, T=0, "
              f"{result['max_new_tokens']} new tokens)", "",
              f"Draft `{result['draft']}`; STS fitted on {result['num_calibration_prompts']} other prompts "
@@ -76,8 +78,6 @@ def markdown(result: dict) -> str:
         lines.append(f"| {row['name']} | {row['accept_len']:.3f} | {row['mean_verified_drafts']:.2f} | "
                      f"{t['draft_ms']:.1f} | {t['verify_ms']:.1f} | {t['round_ms']:.1f} | {row['exact_match']} | "
                      f"{row['speedup']:.2f}x | {row['speedup'] / best_ngram:.2f} |")
-    from eval.compare import source_table
-
     vs = result["vs_best_ngram"]
     for name in vs["speed"]:
         lines += ["", f"{name} against {vs['ngram']}, per source (90% paired bootstrap over the prompts):", "",
@@ -127,8 +127,8 @@ def main(argv=None) -> int:
 
     from core.malloc import keep_freed_memory
     from data.sources.prompts import eval_prompts
-    from eval.arms import Arm, PlainLoop, decode_interleaved, speed_ratio
-    from eval.report import ReportSettings, acceptance_metrics, round_timing
+    from eval.arms import Arm, PlainLoop, decode_interleaved
+    from eval.report import ReportSettings, arm_metrics
     from eval.run import EvalDecode, first_turn_ids, loop_schedule, make_drafter, run_eval
     from eval.spec_decode import Decoding
     from modeling.target import load_target, load_tokenizer
@@ -168,20 +168,12 @@ def main(argv=None) -> int:
         decode_interleaved(target, [arm for arm, _, _ in arms_run], prompt, ids, i, Decoding(
             max_new_tokens=args.max_new_tokens, eos_token_id=tokenizer.eos_token_id, seed=i), plain)
     rows = []
-    for arm, drafter_name, policy in arms_run:
-        metrics = acceptance_metrics(arm.rounds, arm.gamma)
-        tokens = sum(x["tokens"] for x in arm.samples)
-        rows.append({"name": arm.name, "drafter": drafter_name, "gamma": arm.gamma, "schedule": policy,
-                     "accept_len": metrics["accept_len"], "mean_verified_drafts": metrics["mean_verified_drafts"],
-                     "exact_match": sum(x["exact"] for x in arm.samples) / len(prompts),
-                     "speedup": speed_ratio(arm.samples),
-                     "timing": round_timing(arm.rounds, arm.gamma, spec_decode_s=arm.decode_s - arm.prefill_s,
-                                            spec_tokens=tokens, target_decode_s=plain.decode_s - plain.prefill_s,
-                                            target_tokens=plain.tokens),
-                     "samples": arm.samples})
-        print(f"[verify_schedule] {arm.name}: tau {metrics['accept_len']:.3f}, {metrics['mean_verified_drafts']:.2f} "
-              f"drafts verified a round, speedup {rows[-1]['speedup']:.2f}x, exact match {rows[-1]['exact_match']}",
-              flush=True)
+    for arm, drafter_name, policy in arms_run:  # the figures eval.py reports of an arm (eval/report.py)
+        row = {"name": arm.name, "drafter": drafter_name, "gamma": arm.gamma, "schedule": policy,
+               **arm_metrics(arm, arm.gamma, plain, greedy=True)}
+        rows.append(row)
+        print(f"[verify_schedule] {arm.name}: tau {row['accept_len']:.3f}, {row['mean_verified_drafts']:.2f} drafts "
+              f"verified a round, speedup {row['speedup']:.2f}x, exact match {row['exact_match']}", flush=True)
     result = {"draft": str(args.draft), "eval_prompts": str(args.eval_prompts), "num_eval_prompts": len(prompts),
               "num_calibration_prompts": calibration["num_samples"], "max_new_tokens": args.max_new_tokens,
               "sts_temperatures": calibration["calibration"]["sts_temperatures"],
