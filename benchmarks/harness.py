@@ -155,17 +155,19 @@ def prepare_eval_data(out: Path, eval_per_source: int, gsm8k: Path | None, max_n
     return eval_run, eval_file, eval_sources
 
 
+def write_first_turns(path: Path, prompts) -> Path:
+    """A prompt file (JSONL) of the prompts' ids and first turns: what the benchmarks answer, cache and replay."""
+    path.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in prompts))
+    return path
+
+
 def write_eval_prompts(path: Path, per_source: int, gsm8k: Path | None, seed: int) -> list[str]:
     from data.sources.prompts import eval_prompts
 
     sources = [("mtbench", None), ("humaneval", None)] + ([("gsm8k", str(gsm8k / "test.jsonl"))] if gsm8k else [])
-    rows, names = [], []
-    for name, source_path in sources:
-        for prompt in eval_prompts(name, per_source, seed, path=source_path):
-            rows.append({"id": prompt.id, "turns": [prompt.turns[0]]})
-        names.append(name)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return names
+    write_first_turns(path, [prompt for name, source_path in sources
+                             for prompt in eval_prompts(name, per_source, seed, path=source_path)])
+    return [name for name, _ in sources]
 
 
 def answer_and_cache(prompt_file: Path, run: Path, max_new_tokens: int, nproc: int, log: Path) -> None:
@@ -191,7 +193,7 @@ def prepare_in_distribution_data(out: Path, data_run: Path, sources: str, count:
     recipe = load_recipe(str(data_run / "recipe.yaml"))
     prompt_file = out / "in_distribution_prompts.jsonl"
     prompts = load_prompts(yaml.safe_load(sources), count, recipe.data.holdout_fraction, recipe.seed, split="holdout")
-    prompt_file.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in prompts))
+    write_first_turns(prompt_file, prompts)
     run = out / "in-distribution-data"
     answer_and_cache(prompt_file, run, max_new_tokens, nproc, log)
     return run
@@ -209,8 +211,7 @@ def holdout_prompt_file(data_run: Path, per_source: int, path: Path) -> Path:
         [{"name": source.name, "path": source.path}], per_source, recipe.data.holdout_fraction, recipe.seed,
         split="holdout")]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"id": p.id, "turns": [p.turns[0]]}) + "\n" for p in prompts))
-    return path
+    return write_first_turns(path, prompts)
 
 
 def open_eval_cache(recipe_name: str, eval_run: Path):
