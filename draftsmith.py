@@ -76,6 +76,8 @@ def run_recipes(argv: list[str]) -> int:
                              "bound and doc, from the schema in core/recipe.py")
     parser.add_argument("--markdown", action="store_true", help="with --keys: the Markdown table (recipes/KEYS.md)")
     args = parser.parse_args(argv)
+    if args.markdown and args.keys is None:  # else the plain list, as if --markdown had done what it says
+        parser.error("--markdown formats the key table: give it with --keys (draftsmith recipes --keys --markdown)")
     if args.keys is None:
         names = list_recipes()
         width = max(map(len, names))
@@ -128,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_recipes(rest)
     script_main, program = _script_main(command), sys.argv[0]
     sys.argv[0] = f"draftsmith {command}"  # the usage line of a script whose parser takes its name from argv
-    try:
-        return script_main(rest)
+    try:  # the driver names its program itself (train/main.py, whatever argv[0] is): told here
+        return script_main(rest, prog=f"draftsmith {command}") if command == "train" else script_main(rest)
     finally:
         sys.argv[0] = program
 

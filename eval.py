@@ -21,9 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from core import stage  # noqa: E402
-from core.io import LinkedPathError, LockedError, link_problem, lock_for_process, own_root  # noqa: E402
+from core.io import (DamagedFileError, LinkedPathError, LockedError, is_temporary, link_problem,  # noqa: E402
+                     lock_for_process, own_root)
 from core.malloc import keep_freed_memory  # noqa: E402
-from core.server import DEFAULT_TOLERANCE, ENGINES, LiveEvalError, ServerStartError  # noqa: E402
+from core.server import (ENGINES, FLOAT32_TOLERANCE, HALF_PRECISION_TOLERANCE, LiveEvalError,  # noqa: E402
+                         ServerStartError)
 from data.sources.registry import source_problem  # noqa: E402
 from eval import LOOKUP_MAX_N, SCHEDULES  # noqa: E402
 from modeling.draft_folder import is_draft_dir, max_drafts  # noqa: E402
@@ -50,7 +52,7 @@ def _live(args) -> int:
         report = run_live_eval(eval_decode(args), LiveServing(
             engine=args.engine, engine_python=args.engine_python, dtype=args.dtype,
             startup_timeout=args.startup_timeout, server_args=tuple(args.server_arg)), Path(args.out), args.tolerance)
-    except (ServerStartError, LiveEvalError, ValueError) as exc:
+    except (ServerStartError, LiveEvalError, ValueError, stage.DamagedOutputError) as exc:
         print(f"[live] failed: {exc}", file=sys.stderr)
         return 2
     print_live_summary(report)
@@ -67,17 +69,41 @@ def default_out(draft: str, dataset: str) -> Path:
     return Path("runs") / "eval" / f"{slug(draft)}_{slug(Path(dataset).name)}"
 
 
+# What eval.py writes into --out (eval/report.py, eval/run.py, eval/live.py and its served export; sts.json and
+# sps_table.json are export/serving.py's names, which imports torch): a folder holding nothing else is an earlier
+# eval.py report, which a rerun replaces; one holding anything else is not eval.py's.
+EVAL_OUTPUTS = frozenset({"report.json", "report.md", "accept_rate.png", "ngram", "sts.json", "sps_table.json",
+                          "loop_sps_table.json", ".draftsmith.lock", "served-draft", ".served-draft.lock",
+                          *(f"{engine}-server.log" for engine in ENGINES)})
+# config.json + model.safetensors: a draft or a serving export (export/convert.py), whatever else it holds
+DRAFT_FILES = ("config.json", "model.safetensors")
+
+
 def out_problem(out: Path) -> str | None:
-    """eval.py writes report.json (and sts.json) into --out: a pipeline run's stage folder would have them taken for
-    the run's own (its next call printed the other eval's tau as the run's and exported its calibration)."""
+    """eval.py writes report.json (and sts.json) into --out: a pipeline run's folder would have them taken for the
+    run's own (its next call printed the other eval's tau as the run's and exported its calibration), and an export
+    would ship another block size's sts.json. Decided on the folder --out resolves to (`..` and links followed), by
+    what it and the folders above it hold, never by their names."""
     if out.is_symlink() and not out.is_dir():
         return f"--out {link_problem(out)}"
     if out.exists() and not out.is_dir():
         return f"--out {out} is a file: give a folder (it is made when missing)"
-    if stage.is_ours(out) or (out.name in stage.STAGE_DIRS and (out.parent / "recipe.yaml").is_file()):
-        return (f"--out {out} is the {out.name} stage folder of the run in {out.parent}: eval.py does not write into "
-                f"a run's own folders. Give another --out (e.g. {out.parent / f'{out.name}-{{dataset}}'}), or leave it "
-                f"out for runs/eval/<draft>_<dataset>")
+    real = out.resolve()
+    shown = f"--out {out}" + (f" (that is {real})" if real != Path(out).absolute() else "")
+    run = stage.enclosing_run(real)
+    if run is not None:
+        return (f"{shown} is, or lies in, the run {run}: eval.py does not write into a run's folders (its stages would take "
+                f"the report for their own). Give a folder outside it, or leave --out out for "
+                f"runs/eval/<draft>_<dataset>")
+    held = sorted(p.name for p in real.iterdir()) if real.is_dir() else []
+    if all((real / name).is_file() for name in DRAFT_FILES):
+        return (f"{shown} holds a draft or a serving export ({' + '.join(DRAFT_FILES)}): eval.py does not write its "
+                f"report and calibration into one. Give another folder")
+    foreign = [name for name in held if name not in EVAL_OUTPUTS and not is_temporary(name)]
+    if foreign:
+        return (f"{shown} holds files eval.py did not write ({', '.join(foreign[:5])}"
+                f"{f' and {len(foreign) - 5} more' if len(foreign) > 5 else ''}): it writes only into a new or empty "
+                f"folder or an earlier eval.py report's. Give another folder")
     return None
 
 
@@ -189,10 +215,14 @@ def main(argv=None) -> int:
     live.add_argument("--engine", choices=ENGINES, default="vllm", help="serving engine (default vllm)")
     live.add_argument("--engine-python", help="python that runs the engine (default: .venv-vllm for vLLM, this one "
                                               "for SGLang; $DRAFTSMITH_VLLM_PYTHON overrides for vLLM)")
-    live.add_argument("--dtype", help="server dtype (default: float32 for vLLM, so CPU numerics match offline; auto "
-                                      "for SGLang)")
-    live.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
-                      help=f"allowed |tau_live - tau_offline| (default {DEFAULT_TOLERANCE}; see report.md)")
+    live.add_argument("--dtype", help="the dtype the draft is exported and served in (default: float32 for vLLM on a "
+                                      "CPU, so its numerics are the offline loop's; otherwise the export's declared "
+                                      "dtype, the target's. SGLang serves a float32 export in bfloat16: its GPU "
+                                      "kernels run no float32)")
+    live.add_argument("--tolerance", type=float, default=None,
+                      help=f"allowed |tau_live - tau_offline| (default: {FLOAT32_TOLERANCE} for a float32 server on a "
+                           f"CPU, {HALF_PRECISION_TOLERANCE} otherwise, e.g. bfloat16 on a GPU, whose kernels round "
+                           f"unlike the offline loop's; the value used is printed; see report.md)")
     live.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for the server (900)")
     live.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                       help="extra argument for the server command line (repeatable), e.g. --server-arg=--enforce-eager")
@@ -221,7 +251,9 @@ def main(argv=None) -> int:
         report = run_eval(eval_decode(args), ReportSettings(
             out_dir=Path(args.out), ngram_baseline=args.ngram_baseline, hf_generate=args.hf_generate,
             scheduler=not args.no_scheduler))
-    except (TargetMismatchError, ScheduleError, LinkedPathError) as exc:
+    # a damaged draft folder (a file changed, its checksums.json gone): named, the user's to mend
+    except (TargetMismatchError, ScheduleError, LinkedPathError, DamagedFileError,
+            stage.DamagedOutputError) as exc:
         print(f"[eval] refused: {exc}", file=sys.stderr)
         return 2
     print_summary(report)

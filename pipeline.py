@@ -42,13 +42,12 @@ from data.sources.registry import source_problem
 # The stages' modules (torch, transformers: ~12 s to import on a small machine) are imported where they are first
 # needed, so that --help, --list-recipes and a bad recipe, stage or input answer within a second.
 
-LOCK_NAME = ".draftsmith.lock"
-RECIPE_NAME = "recipe.yaml"  # the recipe a run last started with, written beside the stage folders
+LOCK_NAME, RECIPE_NAME = stage.RUN_LOCK_NAME, stage.RUN_RECIPE_NAME  # the run's lock; the recipe it last started with
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None, prog="train/main.py") -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="train/main.py",
+        prog=prog,
         description="Train a speculative-decoding drafter: regenerate -> cache -> train -> opd -> eval -> export.",
         epilog="Example: torchrun --nproc_per_node 2 train/main.py --recipe dspark_smollm2_135m "
                "--stages regenerate,cache --set data.num_prompts=64",
@@ -57,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--target", help="without --recipe: your own target (Hugging Face id or model folder); the "
                         "target-specific keys are picked from its config and tokenizer, each printed with its reason")
     parser.add_argument("--prompts", help="with --target: the training prompts (.jsonl/.json rows; .txt: one a line)")
-    parser.add_argument("--family", choices=FAMILIES, default="dspark", help="with --target: the drafter family")
+    parser.add_argument("--family", choices=FAMILIES, help="with --target: the drafter family (default dspark)")
     parser.add_argument("--stages", default=",".join(STAGES),
                         help=f"comma-separated stages to run, in order, from {','.join(STAGES)} (default: all)")
     parser.add_argument("--out", help="output folder for every stage (default: runs/<recipe>)")
@@ -68,9 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.list_recipes and not args.recipe and not args.target:
         parser.error("--recipe or --target is required (see --list-recipes)")
-    if args.recipe and (args.target or args.prompts):
-        parser.error("--target and --prompts pick a generic recipe; with --recipe use --set target.name_or_path=... "
-                     "and --set \"data.sources=[{name: FILE}]\"")
+    if args.recipe and (args.target or args.prompts or args.family):  # the recipe's would silently win
+        parser.error("--target, --prompts and --family pick a generic recipe (a recipe names its family); with "
+                     "--recipe use --set target.name_or_path=... and --set \"data.sources=[{name: FILE}]\"")
+    args.family = args.family or "dspark"  # no default above: a --family given is told from one left out
     return args
 
 
@@ -106,8 +106,8 @@ def own_recipe(args):
     return recipe
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, prog="train/main.py") -> int:
+    args = parse_args(argv, prog)
     if args.list_recipes:
         print("\n".join(list_recipes()))
         return 0
@@ -267,7 +267,8 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
     import torch
 
-    from modeling.target import target_path_problem, target_shape
+    from modeling.target import chat_template_problem, target_path_problem, target_shape
+    from train.checkpoint import rank_count_problem
 
     problems = missing_inputs(recipe, stages, out)
 
@@ -292,10 +293,8 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
             problems.append("regen.backend sglang: no CUDA device here, and SGLang serves on GPUs (its CPU engine "
                             "needs a CPU build of sgl_kernel that no wheel ships); on a CPU machine --set "
                             "regen.backend=vllm (a vLLM server per rank) or regen.backend=hf (in-process)")
-    template = recipe.target.chat_template
-    if template is not None and not Path(template).expanduser().is_file():
-        problems.append(f"target.chat_template: no file {template!r}: give a Jinja chat template file, or null for the "
-                        f"tokenizer's own")
+    if recipe.target.chat_template is not None and (why := chat_template_problem(recipe.target.chat_template)):
+        problems.append(f"target.chat_template: {why}, or null for the tokenizer's own")
     if "cache" in stages and recipe.cache.backend == "engine" and not recipe.cache.server_urls \
             and not stage.is_done(out / "cache"):
         problem = engine_python_problem("vllm", recipe.regen.engine_python,
@@ -326,6 +325,9 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     if "train" in stages and recipe.train.global_batch_size % per_step:
         problems.append(f"train.global_batch_size={recipe.train.global_batch_size} must be a multiple of "
                         f"train.micro_batch_size × ranks = {recipe.train.micro_batch_size} × {world_size}")
+    runs = [("train", out / "train")] + [("opd", run) for run in sorted((out / "opd").glob("round-*"))]
+    problems += [f"--stages {name}: {why}" for name, run in runs if recipe.train.zero_stage and name in stages
+                 and not stage.is_done(run) and (why := rank_count_problem(run / "checkpoints", world_size))]
     return problems
 
 
@@ -414,8 +416,8 @@ def cache_disk_problem(recipe, stages: list[str], out: Path, hidden_size: int) -
 @dataclass
 class RunState:
     """What the stages of one run share: the recipe, --out, the ranks, the target's tokenizer, the target (loaded
-    on first need, once), what the cache and train stages need of it (`get_target_parts`: under cache.backend engine
-    only what the drafter reads of it) and the eval's report (the run's last line quotes it)."""
+    on first need, once), what a stage that does not run the target reads of it (`get_target_parts`: the drafter's
+    embedding, final norm and lm_head; whole where train computes online states with it) and the eval's report."""
 
     recipe: object
     out: Path
@@ -469,7 +471,8 @@ def _cache_skip(recipe) -> str | None:
 def _cache_job(run: RunState):
     from data.states.capture import CacheJob
 
-    return CacheJob(run.recipe, run.out / "regen", run.out / "cache", run.dist, run.get_target_parts, run.tokenizer)
+    target = run.get_target if run.recipe.cache.backend == "hf" else run.get_target_parts  # hf: it runs the target
+    return CacheJob(run.recipe, run.out / "regen", run.out / "cache", run.dist, target, run.tokenizer)
 
 
 def _run_cache(job, run: RunState) -> None:
@@ -504,8 +507,9 @@ def _opd_skip(recipe) -> str | None:
 def _opd_job(run: RunState):
     from train.opd import OpdJob
 
-    records = training_records(run.recipe, run.out, run.tokenizer, run.get_target, run.dist)
-    return OpdJob(run.recipe, records, run.out / "train" / "final", run.out / "opd", run.dist, run.get_target,
+    # its rollouts replay the records' answers (no target step): it reads what train reads of the target
+    records = training_records(run.recipe, run.out, run.tokenizer, run.get_target_parts, run.dist)
+    return OpdJob(run.recipe, records, run.out / "train" / "final", run.out / "opd", run.dist, run.get_target_parts,
                   run.tokenizer.eos_token_id)
 
 
@@ -569,7 +573,7 @@ STAGE_DIRS = {row.name: row.folder for row in STAGE_TABLE}  # each stage's folde
 
 
 def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
-    from modeling.target import load_target, load_target_parts, load_tokenizer
+    from modeling.target import cut_to_parts, load_target, load_target_parts, load_tokenizer
 
     model = None
 
@@ -580,15 +584,16 @@ def run_stages(recipe, stages: list[str], out: Path, dist) -> None:
         return model
 
     def target_parts():
-        """cache.backend engine: the engine computes the states, so the cache and train stages hold only what the
-        drafter reads of the target (embedding, final norm, lm_head, and the layers draft.init_layers copies)."""
+        """What the drafter reads of the target (embedding, final norm, lm_head, the layers draft.init_layers copies),
+        for the stages that do not run it; a whole target an earlier stage loaded is cut down to them."""
         nonlocal model
-        if recipe.cache.backend != "engine":
-            return target()
+        if recipe.train.hidden_states == "online" and recipe.cache.backend == "hf":
+            return target()  # train and opd compute the hidden states with it
+        copied = recipe.draft.num_layers if recipe.draft.init_layers == "target" else 0
         if model is None:
-            copied = recipe.draft.num_layers if recipe.draft.init_layers == "target" else 0
-            model = load_target_parts(recipe.target.name_or_path, dist.device, recipe.target.dtype,
-                                      last_layers=copied)
+            model = load_target_parts(recipe.target.name_or_path, dist.device, recipe.target.dtype, last_layers=copied)
+        elif not getattr(model, "draftsmith_fingerprint", None):
+            model = cut_to_parts(model, last_layers=copied)
         return model
 
     tokenizer = load_tokenizer(recipe.target.name_or_path, recipe.target.chat_template)

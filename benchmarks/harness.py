@@ -33,6 +33,23 @@ EVAL_CACHE_ENCODING = "raw"
 TRAINING_SOURCES = ("sharegpt", "libcode")
 
 
+def host_copy(func, args, kwargs):
+    """(source, dtype, destination) when an aten call a TorchDispatchMode sees copies a tensor from another device into
+    host memory, else None: _to_copy, the .to overloads (under inference mode `.to("cpu", dtype)` reaches a mode as
+    aten.to.device, not as the _to_copy it decomposes into), or copy_ into a host tensor (its `destination`; None for
+    the others, which make a new one)."""
+    import torch
+
+    aten = torch.ops.aten
+    if func.overloadpacket is aten._to_copy or func in (aten.to.dtype_layout, aten.to.device):
+        device, dtype = (args[1], args[2]) if func is aten.to.device else (kwargs.get("device"), kwargs.get("dtype"))
+        if device is not None and torch.device(device).type == "cpu" and args[0].device.type != "cpu":
+            return args[0], dtype or args[0].dtype, None
+    elif func.overloadpacket is aten.copy_ and args[0].device.type == "cpu" and args[1].device.type != "cpu":
+        return args[1], args[0].dtype, args[0]
+    return None
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else float("nan")
 

@@ -48,8 +48,7 @@ class Dist:
         """While this rank works alone and the others block in `wait` (rank 0's eval): all the cores this process
         may run on, not the one-per-rank share torchrun sets (OMP_NUM_THREADS=1)."""
         before = torch.get_num_threads()
-        torch.set_num_threads(max(before, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                  else os.cpu_count() or 1))
+        torch.set_num_threads(max(before, usable_cores()))
         try:
             yield
         finally:
@@ -121,6 +120,16 @@ def init_process_group(device: torch.device) -> None:
     tdist.init_process_group(backend=process_group_backend(device), timeout=step_timeout())
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def host_threads() -> int:
+    """A GPU rank's share of the node's cores (cores / ranks on the node): its host work (tokenizing, collating, what
+    the optimizer does on the host) runs on that many threads, not the one torchrun sets per rank."""
+    return max(1, usable_cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def init_dist() -> Dist:
     """Join the torchrun process group if there is one; pick this rank's device."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -129,6 +138,9 @@ def init_dist() -> Dist:
     device = torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # torchrun sets OMP_NUM_THREADS=1 for several ranks a node; a CPU rank computes on its thread, a GPU rank's
+        # host work would crawl on one (a user's larger setting is kept)
+        torch.set_num_threads(max(torch.get_num_threads(), host_threads()))
     wait_group = None
     if world_size > 1:
         if not tdist.is_initialized():

@@ -105,14 +105,15 @@ def own_root(root) -> Path:
     return root
 
 
-def link_problem(path) -> str:
-    """The refusal for a link found at `path`, naming where it points (never what it holds)."""
+def link_problem(path, setting: str = "--out") -> str:
+    """The refusal for a link found at `path`, naming where it points (never what it holds) and the `setting` whose
+    folder it is in."""
     try:
         target = os.readlink(path)
     except OSError:
         target = "?"
     return (f"{path} is a symbolic link (to {target}): DraftSmith never writes through, nor reads back as its own, a "
-            f"link it did not make. Remove the link (the run makes its own file or folder there), or point --out "
+            f"link it did not make. Remove the link (the run makes its own file or folder there), or point {setting} "
             f"at another folder")
 
 

@@ -26,8 +26,9 @@ from typing import Any, Literal, Optional
 import yaml
 
 from core.redact import redact_url, redact_urls
-from core.schema import (FRACTION_BELOW_ONE, NON_NEGATIVE, POSITIVE, Bound, bound_problems, dataclass_keys,
-                         setting, type_name)
+from core.server import sglang_selector_top_k_problem
+from core.schema import (FRACTION_BELOW_ONE, NON_NEGATIVE, POSITIVE, SELECTOR_RANK, SELECTOR_TOP_K, Bound,
+                         bound_problems, dataclass_keys, setting, type_name)
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 #: the drafter families a recipe trains; modeling/registry.py maps each to its model class. The block families are
@@ -105,7 +106,8 @@ class RegenConfig:
     enable_thinking: bool = setting(False, "the chat template's thinking switch (Qwen3)")
     batch_size: int = setting(16, "prompts per generation batch (hf) and per resumable chunk (all backends)",
                               bound=POSITIVE)
-    max_concurrency: int = setting(64, "server backends: requests in flight", bound=POSITIVE)
+    max_concurrency: int = setting(64, "server backends: requests in flight per rank (the Qwen3 recipes: 256)",
+                                   bound=POSITIVE)
     request_timeout_s: float = setting(600.0, "server backends: seconds a request may take", bound=POSITIVE)
     # HTTP 429, 5xx, refused connections and timeouts are tried again after a backoff (a Retry-After header is
     # honoured, up to 30 s); what still fails is asked again by the next run.
@@ -119,7 +121,8 @@ class RegenConfig:
                                                  "padded = generate's left-padded batch (always on a GPU)")
     engine_python: Optional[str] = setting(None, "vllm, sglang backends: the python that runs the engine (vLLM: "
                                            "$DRAFTSMITH_VLLM_PYTHON, else ./.venv-vllm; SGLang: this one)")
-    server_args: list[str] = setting(doc="vllm, sglang backends: extra server flags", factory=list)
+    server_args: list[str] = setting(doc="vllm, sglang backends: extra flags of the regeneration servers (the "
+                                     "states servers': cache.server_args)", factory=list)
     server_startup_s: float = setting(900.0, "vllm, sglang backends: seconds the server's start may take",
                                       bound=POSITIVE)
 
@@ -144,8 +147,14 @@ class CacheConfig:
                                      factory=list)
     states_dir: Optional[str] = setting(None, "engine backend: the folder those servers' connector writes states to, "
                                         "as this machine sees it (required with cache.server_urls)")
+    # its own key, not regen.server_args: those go to regeneration's engine (often SGLang), whose flags differ
+    server_args: list[str] = setting(doc="engine backend without cache.server_urls: extra flags of each rank's vLLM "
+                                     "states server (last: they replace the train stage's --gpu-memory-utilization "
+                                     "0.5)", factory=list)
     records_per_shard: int = setting(1024, "conversations per shard file (the unit of resume and of work split "
                                      "across ranks)", bound=POSITIVE)
+    # not regen.max_concurrency: a row in flight holds its states (Qwen3-8B: 200 MB at 4096 tokens) until it is read
+    max_concurrency: int = setting(64, "engine backend: rows in flight to the vLLM states servers", bound=POSITIVE)
 
 
 @dataclass
@@ -182,9 +191,9 @@ class DraftConfig:
         "earlier occurrence of the pending token; text = the token that followed it (as prompt lookup)")
     # the tables rescore the lm_head's top K per slot with the transition from the previous slot's pick
     selector_rank: int = setting(0, "DFlash2's candidate selector: rank of its predecessor/successor tables (0 = "
-                                 "none)", bound=NON_NEGATIVE)
-    selector_top_k: int = setting(16, "DFlash2's candidate selector: the K candidates per slot (the lm_head's top K)",
-                                  bound=Bound(low=2))
+                                 "none)", bound=SELECTOR_RANK)
+    selector_top_k: int = setting(16, "DFlash2's candidate selector: the K candidates per slot (the lm_head's top K; "
+                                  "a power of two, as SGLang's kernel needs)", bound=SELECTOR_TOP_K)
     ttt_length: int = setting(7, "Eagle3: test-time-training steps unrolled", bound=POSITIVE)
     draft_vocab_size: Optional[int] = setting(None, "Eagle3: the pruned draft vocabulary (None: the family's default)",
                                               bound=POSITIVE)
@@ -541,14 +550,39 @@ def _cache_backend_problems(recipe: Recipe) -> list[str]:
     problems = [f"cache.server_urls[{i}]: {redact_url(url)!r} is not an http(s) URL; write it as http://host:port"
                 for i, url in enumerate(cache.server_urls) if not url.startswith(("http://", "https://"))]
     if cache.backend != "engine":
-        if cache.server_urls or cache.states_dir:
-            problems.append(f"cache.server_urls / cache.states_dir are read only under cache.backend: engine (this "
-                            f"recipe has cache.backend: {cache.backend}): set --set cache.backend=engine, or drop them")
+        if cache.server_urls or cache.states_dir or cache.server_args:
+            problems.append(f"cache.server_urls / cache.states_dir / cache.server_args are read only under "
+                            f"cache.backend: engine (this recipe has cache.backend: {cache.backend}): set --set "
+                            f"cache.backend=engine, or drop them")
         return problems
+    if cache.server_urls and cache.server_args:
+        problems.append("cache.server_args are the flags of the states servers the stages start, and with "
+                        "cache.server_urls they start none: give those flags to the servers you start, or drop them")
+    stages = _flag_value(cache.server_args, ("--pipeline-parallel-size", "-pp"))
+    if stages is not None and stages.isdigit() and int(stages) > 1:
+        # vLLM's extract_hidden_states keeps its cache-only layer on the last pipeline stage, and the hidden-states
+        # connector asserts one on every worker
+        problems.append(f"cache.server_args: --pipeline-parallel-size {stages}: the vLLM states server cannot run "
+                        f"pipeline parallel (the layer its states are read from exists on the last stage only). For "
+                        f"a target beyond one GPU, start vLLM yourself with --tensor-parallel-size and "
+                        f"data/states/engine.engine_server_args' flags, and give it as cache.server_urls")
     if cache.server_urls and not cache.states_dir:
         problems.append("cache.backend engine with cache.server_urls needs cache.states_dir: the folder those servers' "
                         "connector writes the states to (their shared_storage_path), as this machine sees it")
     return problems
+
+
+def _flag_value(args: list[str], names: tuple[str, ...]) -> str | None:
+    """The value `args` last give one of the flags `names` (`--name value` or `--name=value`; vLLM reads `_` in a
+    long flag as `-`), None where they give none."""
+    value = None
+    for i, arg in enumerate(args):
+        flag, equals, given = arg.partition("=")
+        if flag.startswith("--"):
+            flag = "--" + flag[2:].replace("_", "-")
+        if flag in names:
+            value = given if equals else (args[i + 1] if i + 1 < len(args) else None)
+    return value
 
 
 def _selector_problems(recipe: Recipe) -> list[str]:
@@ -562,6 +596,10 @@ def _selector_problems(recipe: Recipe) -> list[str]:
     if d.selector_rank < 1 or d.selector_top_k < 2:
         problems.append(f"family dflash2 needs draft.selector_rank >= 1 and draft.selector_top_k >= 2 (got "
                         f"{d.selector_rank}, {d.selector_top_k}); base: [dflash2] sets 256 and 16")
+    elif (problem := sglang_selector_top_k_problem(d.selector_top_k)) is not None:
+        # the run's export stage serves with SGLang; vLLM pads K to a power of two anyway, so another K saves nothing
+        problems.append(f"draft.selector_top_k={problem}: set draft.selector_top_k to a power of two such as 16 "
+                        f"(base: [dflash2]'s)")
     if d.sample_from_anchor or d.markov_rank or d.enable_confidence_head:
         problems.append("family dflash2 serves through SGLang's and vLLM's DFLASH worker: set "
                         "draft.sample_from_anchor=false, draft.markov_rank=0, draft.enable_confidence_head=false")

@@ -47,6 +47,12 @@ def _number(value) -> str:
 POSITIVE = Bound(low=0, low_open=True)
 NON_NEGATIVE = Bound(low=0)
 FRACTION_BELOW_ONE = Bound(low=0, high=1, high_open=True)  # [0, 1): a rate whose 1 would mean "never changes"
+# DFlash2's candidate selector (modeling/selector.py), bounded at load: its tables are 2 x vocabulary x rank parameters
+# (Qwen3's 151,936 tokens at rank 4096: 1.2 B, 20 GB with Adam's state), and each slot scores K x K candidate pairs
+SELECTOR_RANK = Bound(low=0, high=4096, then=": the predecessor/successor tables are 2 x vocabulary x rank parameters "
+                      "(the [dflash2] base sets 256)")
+SELECTOR_TOP_K = Bound(low=2, high=1024, then=": each draft slot scores K x K candidate pairs, and a target vocabulary "
+                       "holds more than 1024 tokens (the [dflash2] base sets 16)")
 
 
 def setting(default: Any = dataclasses.MISSING, doc: str = "", *, bound: Bound | None = None, factory=None):

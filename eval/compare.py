@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -137,6 +138,12 @@ PAIRED_SETTINGS = {"target": "--target", "temperature": "--temperature", "max_ne
                    "block_size": "--block-size"}
 
 
+#: what eval.py writes for the numeric settings a pair shares (a NaN never equals itself; gamma bounds each round)
+SETTING_CHECKS = {"temperature": lambda v: type(v) in (int, float) and math.isfinite(v) and v >= 0,
+                  "max_new_tokens": lambda v: type(v) is int and v > 0,
+                  "block_size": lambda v: type(v) is int and v > 0}
+
+
 class CompareError(ValueError):
     """Two reports that cannot be paired, or a file that is not an eval report (main answers with exit code 2)."""
 
@@ -154,17 +161,45 @@ def read_report(folder: Path) -> dict:
     if not isinstance(report, dict) or any(key not in report for key in PAIRED_SETTINGS):
         raise CompareError(f"{path} is not an eval report (it lacks some of {', '.join(PAIRED_SETTINGS)}); "
                            f"rerun eval.py")
+    settings = [key for key, valid in SETTING_CHECKS.items() if not valid(report[key])]
+    if settings:
+        raise CompareError(f"{path}: {', '.join(f'{key} {report[key]!r}' for key in settings)}: not what eval.py "
+                           f"writes (a finite temperature >= 0, a positive whole max_new_tokens and block_size); "
+                           f"rerun eval.py")
     samples = report.get("samples")
     if not isinstance(samples, list) or not samples:
         raise CompareError(f"{path} holds no samples to pair (an eval report lists one per prompt under "
                            f"'samples'); rerun eval.py")
+    _check_samples(path, "samples", samples, report["block_size"])
+    if len({s["id"] for s in samples}) < len(samples):
+        raise CompareError(f"{path}: samples name a prompt twice (eval.py writes one sample a prompt): rerun eval.py")
+    if "token_map" in report:  # its samples are paired as the headline's are: the same prompts, checked the same way
+        mapped = report["token_map"]
+        if not isinstance(mapped, dict) or not isinstance(mapped.get("samples"), list):
+            raise CompareError(f"{path}: token_map is {type(mapped).__name__}, not eval.py's figures with the draft's "
+                               f"token map (a section holding 'samples'): rerun eval.py")
+        _check_samples(path, "token_map.samples", mapped["samples"], report["block_size"])
+        if [s["id"] for s in mapped["samples"]] != [s["id"] for s in samples]:
+            raise CompareError(f"{path}: token_map.samples are not the prompts of samples (other ids, another order "
+                               f"or count): rerun eval.py")
+    return report
+
+
+def _check_samples(path: Path, field: str, samples: list, gamma: int) -> None:
+    """CompareError naming the file and the sample where one lacks its prompt id, source or round counts, or where its
+    counts are impossible: a round gives at least the target's own token and at most gamma drafts + 1, so
+    rounds <= round_tokens <= rounds * (gamma + 1)."""
     for i, sample in enumerate(samples):
         if not (isinstance(sample, dict) and isinstance(sample.get("id"), str)
                 and isinstance(sample.get("source"), str)
                 and all(type(sample.get(key)) is int and sample[key] > 0 for key in ("round_tokens", "rounds"))):
-            raise CompareError(f"{path}: samples[{i}] lacks its prompt id, source or round counts (round_tokens, "
+            raise CompareError(f"{path}: {field}[{i}] lacks its prompt id, source or round counts (round_tokens, "
                                f"rounds > 0; reports written before eval.py kept them have none): rerun eval.py")
-    return report
+        if not sample["rounds"] <= sample["round_tokens"] <= sample["rounds"] * (gamma + 1):
+            raise CompareError(f"{path}: {field}[{i}] has round_tokens {sample['round_tokens']} over rounds "
+                               f"{sample['rounds']}, outside [rounds, rounds x (block_size {gamma} + 1)]: no decode "
+                               f"gives that (a round yields its target token and at most block_size drafts); "
+                               f"rerun eval.py")
 
 
 def unpaired_setting(first: dict, second: dict, names: tuple[Path, Path]) -> str | None:
@@ -172,6 +207,11 @@ def unpaired_setting(first: dict, second: dict, names: tuple[Path, Path]) -> str
     if [s["id"] for s in first["samples"]] != [s["id"] for s in second["samples"]]:
         return (f"{names[0]} and {names[1]} ran other prompts (or another order): nothing to pair; run both with the "
                 f"same --dataset and --num-samples")
+    sources = [[s["source"] for s in report["samples"]] for report in (first, second)]
+    if sources[0] != sources[1]:
+        i = next(i for i, (a, b) in enumerate(zip(*sources)) if a != b)
+        return (f"{names[0]}'s samples[{i}] has source {sources[0][i]!r} and {names[1]}'s samples[{i}] has source "
+                f"{sources[1][i]!r}, for the same prompt: one report was edited; rerun eval.py for it")
     for key, flag in PAIRED_SETTINGS.items():
         if first[key] != second[key]:
             return (f"{names[0]} has {key} {first[key]!r} and {names[1]} {second[key]!r}: tau depends on it, so the "
@@ -210,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                        lookup=tally(lookup["samples"]))
     print(f"{args.first} against {args.second}:\n")
     print("\n".join(source_table(rows, other=args.second.name)))
-    if all("samples" in report.get("token_map", {}) for report in (first, second)):
+    if all("token_map" in report for report in (first, second)):
         rows = source_rows(tally(first["token_map"]["samples"]), tally(second["token_map"]["samples"]),
                            [s["source"] for s in first["samples"]], lookup=tally(lookup["samples"]))
         print("\nWith their token maps (not served; the table above is the whole vocabulary, as served):\n")

@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from core.io import atomic_write_json, atomic_write_text, make_dir
-from core.server import (DEFAULT_TOLERANCE, ENGINES, LiveEvalError, LiveServer, ServerStartError,
-                         default_engine_python, engine_python_problem, free_port)
+from core.server import (ENGINES, FLOAT32_TOLERANCE, HALF_PRECISION_TOLERANCE, LiveEvalError, LiveServer,
+                         ServerStartError, default_engine_python, default_tolerance, engine_python_problem, free_port)
 from data.sources.prompts import eval_prompts
 from eval.report import acceptance_metrics
 from eval.run import EvalDecode, first_turn_ids
@@ -180,8 +180,11 @@ def tolerance_note(tolerance: float, gamma: int, rounds: int) -> str:
             f"the target side is identical and only the draft's kernel rounding can differ. That flips a draft token "
             f"only at a near-tie of its top two logits; one flip changes that round's accepted count by at most gamma "
             f"(tau by gamma/rounds = {gamma}/{rounds} = {per_flip:.3f}) and re-aligns the rest of that request: "
-            f"the tolerance allows about one such event. rounds_match is the stricter check (per request, the same "
-            f"rounds and accepted count). Under bf16 serving, or when outputs diverge, pass a wider --tolerance.")
+            f"{FLOAT32_TOLERANCE}, the default for a float32 server on a CPU, allows about one such event. Served in "
+            f"bfloat16 or float16, or on a GPU (where the offline target runs in bfloat16), the two sides' kernels "
+            f"round differently, greedy outputs part at near-ties and a parted prompt's rounds differ from there on: "
+            f"the default there is {HALF_PRECISION_TOLERANCE}. rounds_match is the stricter check (per request, the "
+            f"same rounds and accepted count). When more outputs part than that allows, pass a wider --tolerance.")
 
 
 # vLLM 0.32 runs DFlash2's candidate selector only in its model runner V2 (v1/worker/gpu/spec_decode/dflash2: the walk
@@ -197,9 +200,10 @@ VLLM_CPU_DFLASH2 = ("vLLM 0.32 serves a DFlash2 draft's candidate selector only 
 @dataclass(frozen=True, kw_only=True)
 class LiveServing:
     """How the live check serves the draft. engine: `vllm` or `sglang`. engine_python: the python that runs it
-    (None: .venv-vllm or $DRAFTSMITH_VLLM_PYTHON for vLLM, this one for SGLang). dtype: the served dtype (None:
-    float32 for vLLM on a CPU, so its numerics are the offline loop's; else the target's). startup_timeout: seconds
-    to wait for the server. server_args: extra arguments for its command line."""
+    (None: .venv-vllm or $DRAFTSMITH_VLLM_PYTHON for vLLM, this one for SGLang). dtype: the dtype exported and served
+    (None: float32 for vLLM on a CPU, so its numerics are the offline loop's; else the target's; SGLang serves a
+    float32 export in bfloat16, export/serving.py sglang_dtype). startup_timeout: seconds to wait for the server.
+    server_args: extra arguments for its command line."""
 
     engine: str
     engine_python: str | None = None
@@ -221,11 +225,10 @@ def live_problem(decode: EvalDecode) -> str | None:
     return None
 
 
-def run_live_eval(decode: EvalDecode, serving: LiveServing, out_dir: Path,
-                  tolerance: float = DEFAULT_TOLERANCE) -> dict:
+def run_live_eval(decode: EvalDecode, serving: LiveServing, out_dir: Path, tolerance: float | None = None) -> dict:
     """Export `decode.draft` for `serving.engine`, serve it, compare live and offline acceptance on decode's prompts
     (greedy, every draft verified); writes OUT/report.json and .md, `within_tolerance` when the taus differ by at
-    most `tolerance`."""
+    most `tolerance` (None: core/server.py `default_tolerance` of the dtype it is served in, and the device)."""
     engine, engine_python, dtype = serving.engine, serving.engine_python, serving.dtype
     server_args, target_name, max_new_tokens = tuple(serving.server_args), decode.target_name, decode.max_new_tokens
     if engine not in ENGINES:
@@ -293,6 +296,10 @@ def run_live_eval(decode: EvalDecode, serving: LiveServing, out_dir: Path,
         backend = ragged_verify_backend(local_gpu_capability()) if env else None
         argv = sglang_command(python, target_path, ServedDraft(served, algorithm, gamma, sts, sps), port,
                               dtype=dtype, attention_backend=backend, extra=server_args)
+    if tolerance is None:
+        tolerance = default_tolerance(dtype, on_gpu)
+        print(f"[live] tolerance {tolerance}: the default for a {dtype} server on "
+              f"{'a GPU' if on_gpu else 'a CPU'} (--tolerance sets another)", flush=True)
 
     live_outputs, per_request = [], []
     start = time.monotonic()

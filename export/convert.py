@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from core import stage
 from core.dist import fault_point
 from core.io import LinkedPathError, link_problem, publish_dir, sha256_file
-from core.server import ENGINES, SERVING_ALGORITHMS
+from core.server import ENGINES, SERVING_ALGORITHMS, sglang_selector_top_k_problem
 from export.serving import (SERVING_DTYPES, SPS_FILENAME, STS_FILENAME, SpsTable, check_sps_range, check_sts_length,
                             covers_sglang_batches, detect_algorithm, load_sts, run_folder, run_recipe, serve_command,
                             serve_notes, serves_as_dflash, trained_chat_template, unserved_target)
@@ -138,6 +138,11 @@ def _check_serving_support(cfg: dict, algorithm: str, target: str) -> None:
             raise ValueError(f"cannot export as {algorithm.upper()}: {_anchor_first_refusal(cfg)}")
     if algorithm == "dflash2":
         _require(cfg, "mask_token_id", "block_size", "selector_rank", "selector_top_k")
+        if target == "sglang" and (problem := sglang_selector_top_k_problem(int(cfg["selector_top_k"]))) is not None:
+            # vLLM's walk pads K to a power of two and masks the rest (triton.next_power_of_2 in its
+            # v1/worker/gpu/spec_decode/dflash2/speculator.py): --to vllm stays open
+            raise ValueError(f"cannot export to SGLang: selector_top_k={problem}. Retrain with draft.selector_top_k a "
+                             f"power of two such as 16, or serve this draft with vLLM (--to vllm)")
     if algorithm == "dspark":
         _require(cfg, "mask_token_id", "block_size")
         if target == "sglang" and int(cfg.get("markov_rank", 0) or 0) <= 0:
@@ -154,6 +159,29 @@ def _check_serving_support(cfg: dict, algorithm: str, target: str) -> None:
                              f"without the {head} part). Serve this draft with SGLang (--to sglang), or train with "
                              "draft.markov_head_type: vanilla for vLLM")
     _check_aux_layers(cfg, algorithm)
+
+
+#: config.json keys a block draft's training set from the recipe's draft section, by that section's key
+_TRAINED_DRAFT_KEYS = {"num_layers": "num_hidden_layers", "block_size": "block_size", "markov_rank": "markov_rank",
+                       "markov_head_type": "markov_head_type", "enable_confidence_head": "enable_confidence_head",
+                       "sample_from_anchor": "sample_from_anchor", "selector_rank": "selector_rank",
+                       "selector_top_k": "selector_top_k"}
+
+
+def _check_trained_settings(checkpoint_dir: Path, cfg: dict, algorithm: str) -> None:
+    """A run's block draft (train/final, opd/final) is served as its train stage built it: a config.json edited since
+    (a block_size of 3 for a draft trained at 7, with checksums.json re-sealed to match) would load and draft
+    wrongly, so each key the recipe's draft section set is compared with the train stage's pinned settings."""
+    run = run_folder(checkpoint_dir)
+    trained = stage.pinned(run / "train").get("draft", {}) if run is not None else {}
+    if algorithm == "eagle3" or not isinstance(trained, dict):
+        return
+    changed = [f"{name} {cfg[name]!r} (trained with draft.{key} {trained[key]!r})"
+               for key, name in _TRAINED_DRAFT_KEYS.items() if key in trained and name in cfg
+               and cfg[name] != trained[key]]
+    if changed:
+        raise ValueError(f"{checkpoint_dir / CONFIG_NAME} has {', '.join(changed)}: it was edited after training "
+                         f"({run / 'train'} pins the settings the weights were trained with); restore it or retrain")
 
 
 def _check_aux_layers(cfg: dict, algorithm: str) -> None:
@@ -403,6 +431,9 @@ def _validate(state: dict[str, torch.Tensor], entries: list[Entry]) -> dict[str,
                 raise ValueError(f"key {e.src!r} has dtype {t.dtype}, the draft's other weights are {float_dtype}")
         elif t.dtype != e.dtype:
             raise ValueError(f"key {e.src!r} has dtype {t.dtype}, expected {e.dtype}")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # no engine serves a NaN or inf weight
+            raise ValueError(f"key {e.src!r} holds non-finite values (NaN or inf): the draft is damaged; export an "
+                             f"earlier checkpoint or retrain")
         if e.dst is not None:
             out[e.dst] = t.contiguous()
     return out
@@ -483,6 +514,7 @@ def export_draft(job: ExportJob) -> Path:
                          f"export as {algorithm.upper()}; export it as "
                          f"{detected.upper()} (leave out --algorithm)")
     _check_serving_support(cfg, algorithm, to)
+    _check_trained_settings(checkpoint_dir, cfg, algorithm)
     unserved = unserved_target(to, algorithm, (target_shape(verifier) or {}).get("architecture") if verifier else None)
     if unserved:
         raise ValueError(f"cannot export: {unserved}")

@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from core.io import LinkedPathError, LockedError, is_temporary, lock_for_process, own_root  # noqa: E402
+from core.stage import DamagedOutputError  # noqa: E402
 from core.server import ENGINES, SERVING_ALGORITHMS  # noqa: E402
 
 
@@ -67,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         target = resolve_target(target) if target else None  # the embedded SmolLM2's name -> its local folder
         out = export_draft(ExportJob(args.checkpoint, args.to, args.out, algorithm=args.algorithm, sts_path=args.sts,
                                      sps_path=args.sps, verifier=target, dtype=args.dtype, overwrite=args.overwrite))
-    except (ValueError, FileNotFoundError, FileExistsError, LockedError, LinkedPathError) as exc:
+    # DamagedOutputError: a run's train/final whose checksums.json (or another file it recorded) is gone or changed
+    except (ValueError, FileNotFoundError, FileExistsError, LockedError, LinkedPathError,
+            DamagedOutputError) as exc:
         print(f"export failed: {exc}", file=sys.stderr)
         return 2
     print(out.resolve())

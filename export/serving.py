@@ -28,7 +28,7 @@ import torch
 
 from core.io import atomic_write_json, read_json
 from core.recipe import RecipeError, load_recipe
-from core.server import SERVING_ALGORITHMS, sglang_server_command, vllm_server_command
+from core.server import SERVER_HOST, SERVING_ALGORITHMS, sglang_server_command, vllm_server_command
 from modeling.registry import read_config
 from modeling.target import load_tokenizer
 
@@ -355,11 +355,13 @@ def sps_profile_note(checkpoint_dir, to: str, out_dir, target: str | None = None
 
 def serve_notes(checkpoint_dir, to: str, out_dir, target: str | None = None, algorithm: str | None = None
                 ) -> list[str]:
-    """What the printed serve command chose and cannot say itself: a float32 export served in bfloat16 by SGLang, the
-    attention backend for another GPU than this machine's, the chat-template mode the draft was trained in, and the
-    SPS profiling recipe (`sps_profile_note`)."""
+    """What the printed serve command chose and cannot say itself: that it listens on this machine only, a float32
+    export served in bfloat16 by SGLang, the attention backend for another GPU than this machine's, the chat-template
+    mode the draft was trained in, and the SPS profiling recipe (`sps_profile_note`)."""
     env, _ = _serve_argv(checkpoint_dir, to, out_dir, target, algorithm)
-    notes = []
+    notes = [f"The command binds --host {SERVER_HOST}: only clients on the serving machine reach it. For clients on "
+             f"other machines serve with --host 0.0.0.0 (every interface: anyone who reaches the port can use the "
+             f"server, so add --api-key or keep the port behind a firewall)"]
     if to == "sglang" and declared_dtype(read_config(out_dir)) == "float32":
         notes.append("The export declares float32, its target's dtype; SGLang's GPU attention kernels (FlashAttention 3, "
                      "its Hopper default, among them) run fp16/bf16 only, so the command serves target and draft in "

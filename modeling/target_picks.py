@@ -24,7 +24,7 @@ import torch
 import yaml
 
 from core.recipe import BLOCK_FAMILIES, overridden
-from modeling.target import load_tokenizer, resolve_target
+from modeling.target import chat_template_problem, load_tokenizer, resolve_target
 
 #: block drafters capture DeepSpec's five target layers; Eagle3 three (low, middle, high), SGLang's convention.
 BLOCK_LAYERS, EAGLE3_LAYERS = 5, 3
@@ -169,12 +169,22 @@ def pick_for_target(name_or_path: str, family: str, overrides: list[str], on_gpu
     def free(key: str) -> bool:
         return not overridden(overrides, key)
 
-    template = next((yaml.safe_load(item.split("=", 1)[1]) for item in overrides
+    template = next((item.split("=", 1)[1] for item in reversed(overrides)  # the last --set wins, as in the recipe
                      if item.split("=", 1)[0].strip() == "target.chat_template"), None)
-    if template and not Path(template).expanduser().is_file():
-        picks.refusals.append(f"target.chat_template: no file {template!r}: give a Jinja chat template file")
+    try:
+        template = yaml.safe_load(template) if template and template.strip() else None
+    except yaml.YAMLError as exc:
+        picks.refusals.append(f"--set target.chat_template: the value is not valid YAML ({exc.problem}); quote it")
         template = None
-    tokenizer = load_tokenizer(name_or_path, template or None)
+    if template is not None and (problem := chat_template_problem(template)):
+        picks.refusals.append(f"target.chat_template: {problem}")
+        template = None
+    try:
+        tokenizer = load_tokenizer(name_or_path, template)
+    except (OSError, ValueError) as exc:  # transformers' "...sentencepiece or tiktoken installed" names no file
+        picks.refusals.append(f"{name_or_path}: no tokenizer can be loaded from it ({str(exc).splitlines()[0]}): "
+                              f"a target folder holds its tokenizer's files (tokenizer.json, tokenizer_config.json)")
+        return picks
     if template:
         picks.lines.append(f"target.chat_template = {template}: from --set (the tokenizer's own is replaced)")
     elif tokenizer.chat_template:

@@ -13,7 +13,9 @@ prompt ids and the seed (a few of the prompt's own ids, then eos), not a model's
 
 It starts a sleeping child first (SGLang's scheduler and detokenizer are child processes), so a test can check the
 whole tree is gone. With $FAKE_SGLANG_LOG set, it appends a JSON line for its start (argv, CUDA_VISIBLE_DEVICES) and
-for every request and response.
+for every request and response. With $FAKE_SGLANG_HOLD_S set, it holds every completion until no new one has arrived
+for that many seconds, and logs each arrival with the count then in flight ({"in_flight": n}): all the client keeps in
+flight at once is seen together.
 """
 
 import argparse
@@ -23,9 +25,12 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 LOCK = threading.Lock()
+HOLD_S = float(os.environ.get("FAKE_SGLANG_HOLD_S") or 0)
+ARRIVALS = {"in_flight": 0, "last": 0.0}  # under LOCK
 
 
 def log(entry: dict) -> None:
@@ -49,6 +54,23 @@ def answer(prompt: list[int], seed: int, max_tokens: int, eos: int) -> tuple[lis
     """(token ids, finish reason): 1-4 of the prompt's ids from a seed-chosen place, then eos; cut at max_tokens."""
     words = [prompt[(seed * 7 + 3 * j) % len(prompt)] for j in range(1 + seed % 4)] + [eos]
     return (words, "stop") if len(words) <= max_tokens else (words[:max_tokens], "length")
+
+
+def hold() -> None:
+    """Wait until no completion has arrived for HOLD_S seconds; log this one's arrival with the count in flight."""
+    with LOCK:
+        ARRIVALS["in_flight"] += 1
+        ARRIVALS["last"] = time.monotonic()
+        in_flight = ARRIVALS["in_flight"]
+    log({"in_flight": in_flight})
+    while True:
+        with LOCK:
+            quiet = time.monotonic() - ARRIVALS["last"]
+        if quiet >= HOLD_S:
+            break
+        time.sleep(min(HOLD_S - quiet, 0.05))
+    with LOCK:
+        ARRIVALS["in_flight"] -= 1
 
 
 def error(handler, message: str) -> None:
@@ -82,6 +104,8 @@ def make_handler(args, eos: list[int]):
             if len(prompt) + max_tokens > args.context_length:
                 return error(self, f"Requested token count exceeds the model's maximum context length of "
                                    f"{args.context_length} tokens.")
+            if HOLD_S:
+                hold()
             ids, finish = answer(prompt, body.get("seed") or 0, max_tokens, eos[0])
             choice = {"index": 0, "text": f"<{len(ids)} tokens>", "logprobs": None, "finish_reason": finish,
                       "matched_stop": eos[0] if finish == "stop" else None}
@@ -110,6 +134,9 @@ def main() -> None:
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
     log({"argv": sys.argv[1:], "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES")})
     print(f"fake sglang: {args.model_path} on port {args.port}", flush=True)
+    # SGLang's uvicorn listens with a backlog of 2048; http.server's 5 would drop a burst of connections (the client
+    # then retries a second later) and spread what is in flight over time
+    http.server.ThreadingHTTPServer.request_queue_size = 2048
     server = http.server.ThreadingHTTPServer((args.host, args.port), make_handler(args, eos_ids(args.model_path)))
     server.serve_forever()
 

@@ -35,7 +35,8 @@ from export.convert import ExportJob, export_draft
 from modeling.dspark import DSparkModel, build_dspark_config
 from modeling.eagle3 import Eagle3Model, build_eagle3_config
 from modeling.registry import save_draft
-from modeling.target import TargetRunner, load_target, load_tokenizer
+from modeling.target import (TargetRunner, cut_to_parts, decoder_layers, load_target, load_target_parts,
+                             load_tokenizer, weights_fingerprint)
 from modeling.vocab import build_vocab_mapping
 from pipeline import main
 
@@ -222,6 +223,37 @@ def test_a_drafter_starts_from_the_targets_norms_as_they_scale(tiny, arch):
         with pytest.raises(ValueError, match=r"self_attn.q_proj \(128, 64\) \(the drafter's \(64, 64\)\).*"
                                              r"draft.init_layers=random"):
             draft.init_from_target(target, layers="target")
+
+
+@pytest.mark.parametrize("arch", list(TINY_ARCHITECTURES))
+def test_a_drafter_starts_alike_from_the_targets_parts_and_from_the_whole_target(tiny, arch):
+    """A cache-fed train stage holds only the target's parts: loaded from the checkpoint (load_target_parts; a
+    checkpoint transformers converts as it loads, MoE experts fused, is loaded whole and cut, where it used to fail
+    on a tensor name) or cut down from the whole target an earlier stage loaded (cut_to_parts). Either holds the last
+    layer only, has the whole target's fingerprint, and starts a drafter (the last layer copied where it can be, the
+    final norm) bit for bit as the whole target does."""
+    path = tiny(arch)
+    starts = {}
+    for how, loaded in (("whole", lambda: load_target(path)), ("parts", lambda: load_target_parts(path, last_layers=1)),
+                        ("cut", lambda: cut_to_parts(load_target(path), last_layers=1))):
+        target = loaded()
+        layers = decoder_layers(target)
+        if how != "whole":
+            assert all(p.is_meta for layer in layers[:-1] for p in layer.parameters()), how
+            assert not any(p.is_meta for p in layers[-1].parameters()), how
+        torch.manual_seed(0)
+        config = build_dspark_config(target.config, num_layers=1, block_size=GAMMA, target_layer_ids=LAYER_IDS,
+                                     mask_token_id=MASK)
+        draft = DSparkModel.from_target(config, target)
+        try:
+            draft.init_from_target(target, layers="target", fc="last", norm="target")
+        except ValueError:  # MLA, fused q/k/v, experts, a gated query: no Llama-shaped layer to copy
+            draft.init_from_target(target, fc="last", norm="target")
+        starts[how] = (weights_fingerprint(target), draft.state_dict())
+    for how in ("parts", "cut"):
+        assert starts[how][0] == starts["whole"][0], how
+        assert starts[how][1].keys() == starts["whole"][1].keys()
+        assert all(torch.equal(starts[how][1][k], v) for k, v in starts["whole"][1].items()), how
 
 
 @pytest.mark.parametrize("arch, lacks", [("deepseek-v3", "self_attn.q_proj absent"), ("phi3", "self_attn.q_proj absent"),

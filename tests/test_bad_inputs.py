@@ -304,3 +304,107 @@ def test_the_export_stage_refuses_a_folder_holding_other_files_with_the_pipeline
     assert err.startswith("error: ") and "Traceback" not in err, err
     assert f"{out / 'export' / 'sglang'} also holds notes.txt" in err and "--overwrite" not in err, err
     assert (out / "export" / "sglang" / "notes.txt").read_text() == "mine"
+
+
+def test_a_published_final_without_its_checksums_is_one_line_from_export_and_eval(tiny_qwen3, tmp_path, capsys,
+                                                                                   drill):
+    """train/DONE.json records final/checksums.json; with that file deleted, export/main.py and eval.py ended in a
+    DamagedOutputError traceback (exit code 1): it is a RuntimeError, and they caught ValueError and a few others."""
+    from core import stage
+    from export.main import main as export_main
+
+    drill("bad-input", "export/main.py and eval.py on a run's train/final without its checksums.json")
+    out = tmp_path / "run"
+    final = finished_train(out)
+    stage.mark_done(out / "train", {}, outputs=["final/checksums.json"])  # as the train stage records it
+    (final / "checksums.json").unlink()
+    expected = f"{final / 'checksums.json'} is missing ({out / 'train' / 'DONE.json'}): refusing to read it"
+    assert export_main(["--checkpoint", str(final), "--to", "sglang", "--out", str(tmp_path / "exp")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"export failed: {expected}") and err.count("\n") == 1, err
+    assert not (tmp_path / "exp").exists()
+    assert eval_cli().main(["--draft", str(final), "--target", str(tiny_qwen3), "--dataset", "mtbench",
+                            "--num-samples", "1", "--max-new-tokens", "1", "--no-scheduler",
+                            "--out", str(tmp_path / "ev")]) == 2
+    err = capsys.readouterr().err
+    # its last line (the target's loading bar before it)
+    assert err.splitlines()[-1].startswith(f"[eval] refused: {expected}") and "Traceback" not in err, err
+    assert not (tmp_path / "ev" / "report.json").exists()
+
+
+@pytest.mark.parametrize("done_json", ["outputs stripped", "deleted"])
+def test_damaged_weights_without_checksums_or_their_record_are_not_exported(tiny_qwen3, prompt_file, tmp_path,
+                                                                            capsys, drill, done_json):
+    """Deleting train/final/checksums.json together with DONE.json's record of it (its `outputs`, or DONE.json
+    itself) exported damaged weights: a DONE.json without outputs was taken for one written before outputs were
+    recorded, and the folder for one written by hand. A draft inside a run is always checksummed, so it is refused."""
+    from core import stage
+    from export.main import main as export_main
+
+    drill("corruption", f"train/final/checksums.json deleted, train/DONE.json {done_json}, a byte flipped")
+    out = tmp_path / "run"
+    final = finished_train(out)
+    stage.begin(out / "train", {})  # the train stage's marker, as the pipeline leaves it
+    (final / "checksums.json").unlink()
+    weights = final / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01  # inside the last tensor's values: the file still parses
+    weights.write_bytes(bytes(data))
+    missing = f"{final / 'checksums.json'} is missing"
+    if done_json == "outputs stripped":  # DONE.json has no outputs (finished_train's): the pipeline's export stage
+        assert main(["--recipe", "dspark_qwen3_8b", "--stages", "export", "--out", str(out)]
+                    + tiny_overrides(tiny_qwen3, prompt_file)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {missing}") and "Traceback" not in err, err
+        assert not (out / "export" / "sglang").exists()
+    else:
+        (out / "train" / "DONE.json").unlink()
+    assert export_main(["--checkpoint", str(final), "--to", "sglang", "--out", str(tmp_path / "exp")]) == 2
+    assert capsys.readouterr().err.startswith(f"export failed: {missing}")
+    assert not (tmp_path / "exp").exists()
+
+
+def test_a_huge_prompt_line_is_skipped_without_tokenizing_it(tiny_qwen3, tmp_path, monkeypatch, drill):
+    """A 50 MB prompt line used to be rendered and tokenized whole (160 s, 8.2 GB) before data.max_length refused it:
+    its characters alone rule it out (max_length tokens of the tokenizer's longest cover fewer), so it is skipped,
+    counted and named in errors.jsonl, without tokenizing it; the other prompts are regenerated."""
+    import json
+
+    from data.regen import backends, regenerate
+
+    drill("bad-input", "a 5 MB single-line prompt in a .txt file")
+    prompts = tmp_path / "big.txt"
+    prompts.write_text("Hello there\n" + "word " * 1_048_576 + "\nWhat is 2+2?\n")
+    rendered = []
+    for module in (backends, regenerate):
+        real = module.render_prompt_ids
+        monkeypatch.setattr(module, "render_prompt_ids", lambda tok, messages, enable_thinking, real=real: (
+            rendered.append(max(len(m["content"]) for m in messages)) or real(tok, messages, enable_thinking)))
+    out = tmp_path / "run"
+    sets = {"data.num_prompts": 3, "data.holdout_fraction": 0, "data.allow_fewer": "true", "data.max_length": 128}
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompts, **sets)) == 0
+    assert rendered and max(rendered) < 100, max(rendered)  # the huge line never reached the chat template
+    done = json.loads((out / "regen" / "DONE.json").read_text())
+    assert (done["records"], done["skipped"]) == (2, 1), done
+    (error,) = [json.loads(line) for line in (out / "regen" / "errors.jsonl").read_text().splitlines()]
+    assert "prompt is 5,242,879 characters, more than data.max_length=128 tokens hold" in error["reason"], error
+
+
+def test_a_link_in_draftsmith_home_is_refused_naming_that_setting(tmp_path, drill):
+    """A link planted at $DRAFTSMITH_HOME/targets/.smollm2-135m-instruct.lock was refused (and its target kept), but
+    the advice said to point --out elsewhere: the folder is $DRAFTSMITH_HOME's, which the advice now names."""
+    drill("link", "$DRAFTSMITH_HOME/targets/.smollm2-135m-instruct.lock -> a user's file")
+    precious = tmp_path / "v"
+    precious.write_text("precious\n")
+    home = tmp_path / "dshome"
+    (home / "targets").mkdir(parents=True)
+    lock = home / "targets" / ".smollm2-135m-instruct.lock"
+    lock.symlink_to(precious)
+    done = run_cli(["--recipe", "dspark_smollm2_135m", "--stages", "regenerate", "--set", "regen.backend=hf", "--out",
+                    str(tmp_path / "run")], env_extra={"DRAFTSMITH_HOME": str(home)})
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"error: {lock} is a symbolic link (to {precious})" in done.stderr, done.stderr[-3000:]
+    assert f"Remove the link (the run makes its own file or folder there), or point $DRAFTSMITH_HOME ({home}) at " \
+           "another folder" in done.stderr and "--out" not in done.stderr.split("error: ", 1)[1], done.stderr[-3000:]
+    assert precious.read_text() == "precious\n" and lock.is_symlink()

@@ -82,3 +82,32 @@ def test_python_m_draftsmith_answers_without_loading_torch():
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "usage: draftsmith" in done.stdout
     assert " torch" not in done.stderr  # -X importtime lists every module imported
+
+
+@pytest.mark.parametrize("flags", [["--family", "eagle3"], ["--family", "dspark"], ["--prompts", "p.jsonl"]])
+def test_a_flag_the_recipe_would_override_is_refused(flags, capsys, drill):
+    """`--recipe dspark_smollm2_135m --family eagle3` used to run the recipe's DSpark, the flag silently dropped."""
+    drill("bad-input", f"--recipe with {' '.join(flags)}")
+    for run in (entry_point(), None):
+        argv = ["--recipe", "dspark_smollm2_135m", "--stages", "nosuch", *flags]  # no stage: the old run stops there
+        if run is None:
+            done = run_cli(argv)
+            code, err = done.returncode, done.stderr
+        else:
+            with pytest.raises(SystemExit) as exit_:
+                run(["train", *argv])
+            code, err = exit_.value.code, capsys.readouterr().err
+        assert code == 2 and "--target, --prompts and --family pick a generic recipe" in err, err
+        assert err.startswith("usage: draftsmith train " if run else "usage: train/main.py "), err
+
+
+def test_markdown_without_keys_is_refused(capsys, drill):
+    """`draftsmith recipes --markdown` used to print the plain recipe list with rc 0: --markdown formats --keys."""
+    drill("bad-input", "draftsmith recipes --markdown")
+    with pytest.raises(SystemExit) as exit_:
+        entry_point()(["recipes", "--markdown"])
+    err = capsys.readouterr()
+    assert exit_.value.code == 2 and "--markdown formats the key table: give it with --keys" in err.err
+    assert err.out == ""
+    assert entry_point()(["recipes", "--keys", "train.lr", "--markdown"]) == 0
+    assert capsys.readouterr().out.startswith("| key | type |")

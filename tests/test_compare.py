@@ -243,3 +243,53 @@ def test_headlines_pair_as_served_and_token_maps_beside_them(tmp_path, capsys, d
     old = _report(tmp_path / "old", DRAFT, draft_vocab_size=8192)
     err = _refusal(capsys, first, old)
     assert "headline drafted among all tokens" in err and "among 8192" in err and "rerun" in err
+
+
+def _mapped_report(edit) -> dict:
+    """A well-formed report of DRAFT with a token map (its samples the headline's prompts, tau 1), edited by `edit`."""
+    samples = [{"id": f"heldout:{s}:{i}", "source": s, "round_tokens": t, "rounds": r} for i, (s, t, r) in
+               enumerate(zip(SOURCES, DRAFT["per_record_tokens"], DRAFT["per_record_rounds"]))]
+    report = {**SETTINGS, "samples": samples, "token_map": {"samples": [{**s, "round_tokens": 10, "rounds": 10}
+                                                                        for s in samples]}}
+    edit(report)
+    return report
+
+
+@pytest.mark.parametrize("edit,fragment", [
+    (lambda r: r.update(token_map=None), "token_map is NoneType"),
+    (lambda r: r.update(token_map="x"), "token_map is str"),
+    (lambda r: r["token_map"].update(samples=[{"x": 1}]), "token_map.samples[0] lacks"),
+    (lambda r: [s.update(rounds=0) for s in r["token_map"]["samples"]], "token_map.samples[0] lacks"),
+    (lambda r: [s.update(round_tokens=1, rounds=50) for s in r["samples"]],
+     "samples[0] has round_tokens 1 over rounds 50, outside"),  # tau 0.02: a round gives at least one token
+    (lambda r: r["token_map"]["samples"][0].update(round_tokens=1e30), "token_map.samples[0] lacks"),
+    (lambda r: r["token_map"]["samples"][0].update(round_tokens=10 ** 30), "token_map.samples[0] has round_tokens"),
+    (lambda r: r["samples"][0].update(round_tokens=161), "(block_size 7 + 1)"),  # 20 rounds give at most 160
+    (lambda r: r["token_map"]["samples"].append(r["token_map"]["samples"][0]), "token_map.samples are not the prompts"),
+    (lambda r: r["samples"].append(r["samples"][0]), "samples name a prompt twice"),
+    (lambda r: r.update(temperature=float("nan")), "temperature nan"),
+    (lambda r: r.update(block_size=0), "block_size 0"),
+    (lambda r: r["samples"][0].update(source="zzz"), "samples[0] has source 'zzz'"),
+], ids=["null-map", "string-map", "malformed-map", "rounds-0", "tau-below-1", "float-1e30", "int-1e30",
+        "tau-above-gamma", "more-map-samples", "duplicated-samples", "nan-temperature", "block-size-0",
+        "other-source"])
+def test_impossible_reports_are_refused_naming_the_file(tmp_path, capsys, drill, edit, fragment):
+    """Reports no eval.py run writes (round 5, M1-M10, M16): a null, string or malformed token map, rounds 0, tau
+    below 1 or above gamma + 1, counts of 1e30, a NaN temperature, another source for the same prompt. Each is
+    refused with exit code 2 naming the edited file, in either position, never a traceback or a table of them."""
+    import json
+
+    drill("bad-input", f"eval.compare of an impossible report ({fragment})")
+    first = _report(tmp_path / "a", DRAFT)
+    _report(first / "ngram", NGRAM)
+    bad = tmp_path / "bad"
+    _report(bad / "ngram", NGRAM)
+    (bad / "report.json").write_text(json.dumps(_mapped_report(edit)))
+    for argv in ((first, bad), (bad, first)):
+        err = _refusal(capsys, *argv)
+        assert str(bad) in err and fragment in err, err
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "report.json").write_text(json.dumps(_mapped_report(lambda r: None)))
+    from eval.compare import main
+    assert main([str(first), str(good)]) == 0  # the unedited report pairs

@@ -37,7 +37,7 @@ from modeling.registry import load_draft_model, save_draft  # noqa: E402
 from modeling.selector import training_candidates, walk  # noqa: E402
 from train.loss import BlockLossBatch, BlockLossSettings, LossChunking, block_loss  # noqa: E402
 
-V, H, LAYER_IDS, GAMMA, RANK, TOP_K = 300, 64, [0, 1, 2], 4, 8, 6
+V, H, LAYER_IDS, GAMMA, RANK, TOP_K = 300, 64, [0, 1, 2], 4, 8, 8  # SGLang's selector kernel takes a power-of-two K
 PROMPTS = [[7], [3, 14, 15, 92, 65], [11, 22, 33, 44, 55, 66, 77, 88, 99, 111, 122, 133]]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,10 +56,10 @@ def target():
     return model
 
 
-def make_dflash2(target, dtype=torch.float32, seed=1) -> DSparkModel:
+def make_dflash2(target, dtype=torch.float32, seed=1, top_k=TOP_K) -> DSparkModel:
     config = build_dspark_config(target.config, num_layers=2, block_size=GAMMA, target_layer_ids=LAYER_IDS,
                                  mask_token_id=5, markov_rank=0, enable_confidence_head=False,
-                                 sample_from_anchor=False, selector_rank=RANK, selector_top_k=TOP_K)
+                                 sample_from_anchor=False, selector_rank=RANK, selector_top_k=top_k)
     torch.manual_seed(seed)
     model = DSparkModel.from_target(config, target)
     with torch.no_grad():  # transitions as large as the unary logits: the selector really re-ranks
@@ -120,6 +120,18 @@ def test_dflash2_recipes_are_the_dflash_ones_plus_the_selector(name):
 def test_bad_dflash2_recipes_are_refused_naming_the_key(sets, needle):
     with pytest.raises(RecipeError, match=needle):
         load_recipe("dflash2_smollm2_135m", overrides=sets)
+
+
+@pytest.mark.parametrize("name", ["dflash2_smollm2_135m", "dflash2_qwen3_8b"])
+def test_a_selector_top_k_sglangs_kernel_cannot_take_is_refused_at_recipe_load(name):
+    """SGLang 0.5.23 walks the selector in a Triton kernel that loads a slot's K scores with tl.arange(0, top_k), and
+    Triton's arange takes only a power of two: a K = 12 run would train for days, then fail serving (its export stage
+    is SGLang's). Refused at load, naming the key, the kernel and a power of two; 16 (the default) and 8 load."""
+    with pytest.raises(RecipeError, match=r"draft\.selector_top_k=12 is not a power of two.*_selector_walk_kernel.*"
+                                          r"tl\.arange.*power of two such as 16"):
+        load_recipe(name, overrides=["draft.selector_top_k=12"])
+    assert load_recipe(name).draft.selector_top_k == 16
+    assert load_recipe(name, overrides=["draft.selector_top_k=8"]).draft.selector_top_k == 8
 
 
 # --- the proposer -----------------------------------------------------------------------------------------------------
@@ -457,6 +469,22 @@ def test_live_vllm_check_on_cpu_is_refused_naming_why(target, tmp_path, vllm_pyt
 
 
 
+def test_sglang_export_refuses_a_selector_top_k_its_kernel_cannot_take(target, tmp_path):
+    """A K = 12 draft (trained outside the recipes, which refuse it) is refused at --to sglang export, naming SGLang's
+    kernel and the fix, with nothing written; K = 16 exports. vLLM's walk pads K to a power of two and masks the rest
+    (triton.next_power_of_2 in v1/worker/gpu/spec_decode/dflash2/speculator.py), so --to vllm still exports K = 12."""
+    save_draft(make_dflash2(target, top_k=12), tmp_path / "k12")
+    with pytest.raises(ValueError, match=r"cannot export to SGLang: selector_top_k=12 is not a power of two.*"
+                                         r"_selector_walk_kernel.*power of two such as 16.*--to vllm"):
+        export_draft(ExportJob(tmp_path / "k12", "sglang", tmp_path / "sglang-k12"))
+    assert not (tmp_path / "sglang-k12").exists()
+    served = export_draft(ExportJob(tmp_path / "k12", "vllm", tmp_path / "vllm-k12", verifier="some/target"))
+    assert json.loads((served / "config.json").read_text())["selector_top_k"] == 12
+    save_draft(make_dflash2(target, top_k=16), tmp_path / "k16")
+    served = export_draft(ExportJob(tmp_path / "k16", "sglang", tmp_path / "sglang-k16"))
+    assert json.loads((served / "config.json").read_text())["dflash_config"]["selector_top_k"] == 16
+
+
 def test_export_refuses_to_drop_or_invent_the_selector(target, tmp_path):
     from modeling.dspark import DSparkModel as Model
 
@@ -469,6 +497,63 @@ def test_export_refuses_to_drop_or_invent_the_selector(target, tmp_path):
     with pytest.raises(ValueError, match="without a candidate selector"):
         export_draft(ExportJob(tmp_path / "d1", "vllm", tmp_path / "o2", algorithm="dflash2"))
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def _trained_run(target, run: Path) -> Path:
+    """A run's DFlash2 train/final as the pipeline leaves it: the recipe, the train stage's pinned draft settings
+    (core/stage.py settings.json) and the draft's checksums.json."""
+    from core import stage
+    from core.io import write_checksums
+
+    run.mkdir()
+    (run / "recipe.yaml").write_text((ROOT / "recipes" / "dflash2_smollm2_135m.yaml").read_text())
+    final = save_draft(make_dflash2(target), run / "train" / "final")
+    draft = {"num_layers": 2, "block_size": GAMMA, "markov_rank": 0, "markov_head_type": "vanilla",
+             "enable_confidence_head": False, "sample_from_anchor": False, "selector_rank": RANK,
+             "selector_top_k": TOP_K, "mask_token_id": 5}
+    (run / "train" / stage.SETTINGS_NAME).write_text(json.dumps({"family": "dflash2", "draft": draft}))
+    write_checksums(final)
+    return final
+
+
+def _nan_codebooks(final: Path) -> None:
+    state = load_file(str(final / "model.safetensors"))
+    for name, tensor in state.items():
+        if "codebook" in name:
+            tensor.fill_(float("nan"))
+    save_file(state, str(final / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _block_size_3(final: Path) -> None:
+    config = json.loads((final / "config.json").read_text())
+    config["block_size"] = 3
+    (final / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("tamper,says", [
+    (_nan_codebooks, "candidate_selector.predecessor_codebook' holds non-finite values"),
+    (_block_size_3, f"has block_size 3 (trained with draft.block_size {GAMMA})"),
+], ids=["nan-codebooks", "block-size-edited"])
+def test_export_refuses_a_final_tampered_with_consistently(target, tmp_path, capsys, drill, tamper, says):
+    """Round 5 (X7, X10): NaN selector codebooks, or a config.json block_size other than the one trained, with
+    checksums.json re-sealed to match, used to export to both engines. Each is refused, exit code 2 for --to sglang
+    and --to vllm, naming what was changed, nothing written; the untouched final exports."""
+    from core.io import write_checksums
+    from export.main import main
+
+    drill("corruption", f"a DFlash2 train/final re-sealed after {tamper.__name__}")
+    final = _trained_run(target, tmp_path / "run")
+    for engine in ("sglang", "vllm"):  # the sound draft exports: the checks do not refuse what training wrote
+        export_draft(ExportJob(final, engine, tmp_path / f"ok-{engine}", verifier="some/target"))
+    tamper(final)
+    write_checksums(final)  # re-sealed: the checksums alone no longer tell
+    for engine in ("sglang", "vllm"):
+        out = tmp_path / f"x-{engine}"
+        capsys.readouterr()
+        assert main(["--checkpoint", str(final), "--to", engine, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+        assert not out.exists()
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--sglang":

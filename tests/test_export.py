@@ -244,6 +244,7 @@ def test_hand_export_is_a_complete_serving_folder(tmp_path, monkeypatch, capsys)
     import yaml
 
     from core import stage
+    from core.io import write_checksums
     from core.recipe import load_recipe, recipe_to_dict
     from export.serving import SpsTable, save_sts
     from modeling.registry import draft_digest
@@ -254,6 +255,7 @@ def test_hand_export_is_a_complete_serving_folder(tmp_path, monkeypatch, capsys)
     config.save_pretrained(target)
     run = tmp_path / "runs" / "r"
     final = make_block_draft(run / "train" / "final", markov_rank=4, confidence=True)
+    write_checksums(final)  # as training publishes it: a run's draft without checksums is refused
     recipe = load_recipe("dspark_smollm2_135m", [f"target.name_or_path={target}"])
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False))
     stage.begin(run / "eval", {"draft_sha256": draft_digest(final)})
@@ -340,6 +342,24 @@ def test_cli_exit_codes(tmp_path, capsys):
     help_text = subprocess.run([sys.executable, str(ROOT / "export" / "main.py"), "--help"], capture_output=True,
                                text=True, check=True).stdout
     assert "--checkpoint" in help_text and "DFLASH" in help_text
+
+
+@pytest.mark.parametrize("to", ["sglang", "vllm"])
+def test_serve_note_says_how_clients_on_other_machines_reach_the_server(tmp_path, capsys, to):
+    """The printed serve command binds --host 127.0.0.1 (the live check's and regeneration's servers have their clients
+    beside them), which no other machine reaches: a note printed with it says to serve with --host 0.0.0.0 for them,
+    and what that opens. The pipeline's export stage prints the same notes (serve_notes)."""
+    from export.serving import serve_notes
+
+    ckpt = make_block_draft(tmp_path / "d", markov_rank=8)
+    assert export_main(["--checkpoint", str(ckpt), "--to", to, "--out", str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err
+    command = err.split("serve it with:\n  ", 1)[1].splitlines()[0]
+    assert "--host 127.0.0.1 " in command
+    host_notes = [line for line in err.splitlines() if line.startswith("note: ") and "--host 0.0.0.0" in line]
+    assert len(host_notes) == 1 and "--host 127.0.0.1" in host_notes[0] and "other machines" in host_notes[0]
+    assert "--api-key" in host_notes[0]  # 0.0.0.0 answers anyone who reaches the port
+    assert host_notes[0].removeprefix("note: ") in serve_notes(ckpt, to, tmp_path / "o")
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark", "dspark-1+N"])

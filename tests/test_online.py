@@ -108,3 +108,31 @@ def test_both_model_kinds_train_online_on_smollm2_with_no_cache(tmp_path, capsys
         assert [r["step"] for r in rows] == [1, 2] and all(r["hidden_s"] > 0 and r["loss"] > 0 for r in rows)
         report = json.loads((out / "eval" / "report.json").read_text())
         assert report["exact_match"] == 1.0 and report["accept_len"] >= 1.0
+
+
+@pytest.mark.parametrize("family", ["dspark", "eagle3"])
+def test_online_states_never_leave_the_targets_device(tiny_qwen3, tmp_path, family):
+    """G10: from the target's forward to the draft's input, online states stay on the target's device. Here that is
+    PyTorch's `meta` device, where a copy to the host raises ("Cannot copy out of meta tensor"): the forward, the
+    recipe's fp8 rounding and the Trainer's padding all run, and the batch the draft gets is still on it. (Eager
+    attention: sdpa's mask check reads one flag of the attention mask on the host, a sync but no state.)"""
+    from train.algorithms import attach_hidden, get_algorithm
+
+    recipe = load_recipe(f"{family}_qwen3_8b", [f"target.name_or_path={tiny_qwen3}", "data.min_loss_tokens=1",
+                                                "cache.batch_size=2", "draft.num_anchors=4"])
+    assert recipe.cache.encoding == "fp8"
+    regen = three_records(tmp_path)
+    model, tokenizer = load_target(str(tiny_qwen3)), load_tokenizer(str(tiny_qwen3))
+    online = OnlineRecords(recipe, regen, tokenizer, lambda: model)
+    model.set_attn_implementation("eager")
+    model.to("meta")
+    meta = torch.device("meta")
+    records = [online[i] for i in range(len(online))]
+    batch = get_algorithm(family).make_batch(recipe, records, seeds=[(0, 0, i) for i in range(3)], device=meta)
+    batch = attach_hidden(batch, online.with_hidden(records), meta, torch.bfloat16)
+    width, hidden = max(len(r["input_ids"]) for r in records), model.config.hidden_size
+    layers = len(recipe.target.layer_ids)
+    assert batch["hidden_states"].device == meta and batch["hidden_states"].shape == (3, width, layers * hidden)
+    assert batch["last_hidden_state"].device == meta and batch["last_hidden_state"].shape == (3, width, hidden)
+    with pytest.raises(NotImplementedError, match="meta tensor"):  # the probe works: a host copy would have raised
+        batch["hidden_states"].cpu()

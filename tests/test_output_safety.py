@@ -419,9 +419,64 @@ def test_eval_py_refuses_a_runs_own_stage_folder_as_its_out(tmp_path, capsys, dr
         with pytest.raises(SystemExit) as refused:
             cli.main(["--draft", "ngram", "--target", "smollm2-135m-instruct", "--dataset", "mtbench", "--out",
                       str(out)])
-        assert refused.value.code == 2 and f"--out {out} is the {out.name} stage folder" in capsys.readouterr().err
+        assert refused.value.code == 2 and f"--out {out} is, or lies in, the run {run}" in capsys.readouterr().err
     assert sorted(p.name for p in (run / "eval").iterdir()) == [".draftsmith-stage", "settings.json"]
     assert not (run / "train").exists()
+
+
+def _snapshot(folder) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_eval_py_out_reaching_a_run_or_an_export_by_dots_or_a_link_is_refused(tmp_path, capsys, drill):
+    """`eval.py --out RUN/eval/x/..` and `--out ALIAS` (a link to RUN/eval) replaced the run's report.json, report.md
+    and accept_rate.png: only the path as given was checked. `--out EXP` (an export) left 3 temperatures in the
+    shipped sts.json of a draft of block size 7, and a report in the serving folder. Each is refused with exit code
+    2 and both folders keep their bytes."""
+    from core import stage
+
+    cli = eval_cli()
+    run = tmp_path / "run"
+    stage.begin(run / "eval", {"draft_sha256": "x"})  # the eval stage's folder, as the pipeline makes it
+    for name in ("report.json", "report.md", "accept_rate.png", "sts.json"):
+        (run / "eval" / name).write_text(f"the run's own {name}")
+    (run / "recipe.yaml").write_text("name: demo\n")
+    (run / ".draftsmith.lock").write_text("")
+    (tmp_path / "alias").symlink_to(run / "eval")
+    export = tmp_path / "exp"
+    export.mkdir()
+    for name, text in (("config.json", "{}"), ("model.safetensors", "weights"), ("sts.json", "7 temperatures")):
+        (export / name).write_text(text)
+    before = {run: _snapshot(run), export: _snapshot(export)}
+    in_run = f"is, or lies in, the run {run}"
+    for out, why in ((run / "eval" / "nosuch" / "..", in_run), (tmp_path / "alias", in_run),
+                     (export, "holds a draft or a serving export")):
+        drill("bad-input", f"eval.py --out {out.relative_to(tmp_path)}")
+        with pytest.raises(SystemExit) as refused:
+            cli.main(["--draft", "ngram", "--target", "smollm2-135m-instruct", "--dataset", "mtbench", "--out",
+                      str(out)])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and f"--out {out}" in err and why in err, err
+    assert before == {run: _snapshot(run), export: _snapshot(export)}
+    assert not (run / "eval" / "nosuch").exists()
+
+
+def test_eval_py_out_takes_an_earlier_eval_py_report_but_no_other_folder(tmp_path):
+    """A rerun into an earlier eval.py report replaces it; a folder holding anything else is not eval.py's to write
+    into (a user's notes beside report.md would be kept, but its own report.json replaced)."""
+    cli = eval_cli()
+    earlier = tmp_path / "earlier"
+    (earlier / "ngram").mkdir(parents=True)
+    for name in ("report.json", "report.md", "accept_rate.png", "ngram/report.json", ".draftsmith.lock"):
+        (earlier / name).write_text("an earlier report")
+    assert cli.out_problem(earlier) is None and cli.out_problem(tmp_path / "new") is None
+    (earlier / "notes.txt").write_text("mine")
+    assert "holds files eval.py did not write (notes.txt)" in cli.out_problem(earlier)
+    # a user's own recipe.yaml does not make a run of their folder; the run's lock or a stage folder beside it does
+    (tmp_path / "recipe.yaml").write_text("name: mine\n")
+    assert cli.out_problem(tmp_path / "new") is None
+    (tmp_path / ".draftsmith.lock").write_text("")
+    assert f"is, or lies in, the run {tmp_path}" in cli.out_problem(tmp_path / "new")
 
 
 def test_a_small_file_that_meets_a_file_size_limit_names_itself_and_leaves_the_old_one(tmp_path):

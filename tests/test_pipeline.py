@@ -11,7 +11,7 @@ import torch
 
 from data.states.cache import CacheCorruptedError, CacheMismatchError
 from data.states.capture import open_cache
-from modeling.target import load_tokenizer
+from modeling.target import decoder_layers, load_tokenizer
 from pipeline import main
 from core.recipe import load_recipe
 
@@ -81,6 +81,60 @@ def test_two_ranks_split_the_work_and_match_one_rank(tiny_qwen3, prompt_file, tm
     assert two.returncode == 0, two.stderr[-3000:]
     for stage_dir in ("regen/records.jsonl", "cache/index.bin", "cache/manifest.json"):
         assert (tmp_path / "one" / stage_dir).read_bytes() == (tmp_path / "two" / stage_dir).read_bytes()
+
+
+def test_a_cache_fed_train_stage_holds_only_the_targets_parts(tiny_qwen3, prompt_file, tmp_path, monkeypatch):
+    """train.hidden_states cache, cache.backend hf: the train stage reads only the target's embedding, final norm and
+    lm_head and the layers draft.init_layers copies, so the whole target regenerate and cache ran is cut down to them
+    before the trainer builds (it used to hold it whole: 16.4 GB a rank for Qwen3-8B, of which it reads ~2.5 GB).
+    No second load; every other decoder layer is on the meta device."""
+    import modeling.target
+    import train.trainer
+    from test_trainer import TRAIN
+
+    loads, held = [], []
+    real_load, real_parts, real_train = (modeling.target.load_target, modeling.target.load_target_parts,
+                                         train.trainer.run_train)
+    monkeypatch.setattr(modeling.target, "load_target", lambda *a, **k: loads.append("whole") or real_load(*a, **k))
+    monkeypatch.setattr(modeling.target, "load_target_parts",
+                        lambda *a, **k: loads.append("parts") or real_parts(*a, **k))
+
+    def run_train(job):
+        held.append(job.get_target())
+        return real_train(job)
+
+    monkeypatch.setattr(train.trainer, "run_train", run_train)  # what pipeline's train stage imports
+    sets = {**TRAIN, "train.max_steps": 1, "draft.num_layers": 2, "draft.init_layers": "target"}
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate,cache,train", "--out", str(tmp_path / "run")]
+                + tiny_overrides(tiny_qwen3, prompt_file, **sets)) == 0
+    assert loads == ["whole"] and len(held) == 1
+    layers = decoder_layers(held[0])
+    assert len(layers) == 40 and all(p.is_meta for layer in layers[:-2] for p in layer.parameters())
+    assert not any(p.is_meta for layer in layers[-2:] for p in layer.parameters())  # the two draft.init_layers copies
+    for kept in (held[0].get_input_embeddings(), held[0].model.norm, held[0].get_output_embeddings()):
+        assert not any(p.is_meta for p in kept.parameters())
+
+
+def test_target_parts_of_a_hub_id_load_from_its_snapshot_in_the_hub_cache(tiny_qwen3, tmp_path, monkeypatch):
+    """The Qwen3 recipes name their target by hub id, and a cache-fed train stage loads only its parts: from the hub
+    cache's snapshot, where from_pretrained put the model (load_target_parts used to refuse all but a folder)."""
+    import shutil
+
+    import huggingface_hub.constants
+    from modeling.target import load_target, load_target_parts, weights_fingerprint
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny--qwen3"
+    shutil.copytree(tiny_qwen3, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    parts = load_target_parts("tiny/qwen3")
+    assert all(p.is_meta for layer in decoder_layers(parts) for p in layer.parameters())
+    assert weights_fingerprint(parts) == weights_fingerprint(load_target(str(tiny_qwen3)))
+    with pytest.raises(FileNotFoundError, match=r"'tiny/other': no local folder, and its hub snapshot cannot be read"):
+        load_target_parts("tiny/other")
 
 
 def test_cache_refuses_mismatch_and_corruption(tiny_qwen3, prompt_file, tmp_path, drill, capsys):

@@ -6,6 +6,9 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
+import subprocess
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass
@@ -13,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import ROOT, run_cli
 from data.sources import readers
 from data.sources import registry as sources
 from data.sources.prompts import eval_prompts, is_holdout, load_prompts
@@ -339,6 +343,75 @@ def test_a_file_whose_top_level_is_not_rows_is_refused_naming_it(tmp_path, text,
         with pytest.raises(ValueError, match="neither a JSON array of rows nor JSON Lines") as err:
             read(path)
         assert str(path) in str(err.value)
+
+
+DEEP = {"deep.jsonl": '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n", "deep.json": "[" * 100_000 + "]" * 100_000}
+
+
+@pytest.mark.parametrize("name", DEEP)
+def test_a_deeply_nested_prompt_file_is_an_error_line_not_a_crash(name, tmp_path, drill):
+    """Nested 100000 deep, a .jsonl prompt file crashed train/main.py and eval.py in pyarrow (rc 139, no message), and
+    a .json file ended in a RecursionError traceback naming no file: now one error line naming it, rc 2."""
+    drill("bad-input", f"a prompt file {name} nested 100000 deep")
+    path = tmp_path / name
+    path.write_text(DEEP[name])
+    out = tmp_path / "run"
+    trained = run_cli(["--recipe", "dspark_smollm2_135m", "--stages", "regenerate", "--out", str(out), "--set",
+                       f"data.sources=[{{name: '{path}'}}]", "--set", "data.allow_fewer=true", "--set",
+                       "data.holdout_fraction=0", "--set", "regen.backend=hf"])
+    evaluated = subprocess.run([sys.executable, "eval.py", "--draft", "ngram", "--target", "smollm2-135m-instruct",
+                                "--dataset", str(path), "--out", str(tmp_path / "eval")], cwd=ROOT, timeout=600,
+                               env=dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"), capture_output=True,
+                               text=True)
+    for done in (trained, evaluated):
+        assert done.returncode == 2, done.stderr[-3000:]
+        assert f"{path}: line 1: JSON nested over {readers.MAX_JSON_DEPTH} levels deep" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+    assert not (out / "recipe.yaml").exists() and not (tmp_path / "eval").exists()
+
+
+def test_the_depth_bound_counts_brackets_outside_strings_only(tmp_path):
+    """Brackets inside a prompt's text are text: a row whose prompt holds 1000 '[' and escaped quotes is read."""
+    text = "[" * 1000 + '\\" {'
+    path = write_jsonl(tmp_path / "brackets.jsonl", [{"prompt": text}, {"turns": ["ok"]}])
+    assert readers.json_depth_problem(path) is None
+    assert [p.turns for p in load_source(str(path))] == [(text,), ("ok",)]
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" + json.dumps({"prompt": "x", "meta": [[[[0]]]]}) + ",\n" + "[" * 70 + "]" * 70 + "]")
+    assert f"{deep}: line 2: JSON nested over 64 levels deep" in readers.json_depth_problem(deep)
+    for read in (readers.read_json_rows, readers.read_json_rows_python):  # the plain reader: RecursionError named
+        too_deep = tmp_path / "too_deep.json"
+        too_deep.write_text("[" * 5000 + "]" * 5000)
+        with pytest.raises(ValueError, match="nested") as err:
+            read(too_deep)
+        assert str(too_deep) in str(err.value)
+
+
+def test_a_byte_order_mark_is_not_prompt_text(tmp_path, drill):
+    """A .txt prompt file saved with a BOM (Windows editors) used to keep U+FEFF in its first prompt."""
+    drill("bad-input", "a .txt prompt file starting with a UTF-8 byte order mark, CRLF lines")
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbfHello there\r\nWhat is 2+2?\r\n")
+    assert sorted(p.turns[0] for p in load_prompts([str(path)], 2, 0.0, 42)) == ["Hello there", "What is 2+2?"]
+    rows = tmp_path / "bom.jsonl"
+    rows.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "Hi"}).encode() + b"\n")
+    assert [p.turns for p in load_source(str(rows))] == [("Hi",)]
+
+
+def test_a_file_in_another_format_is_refused_not_taken_for_a_hub_id(tmp_path, monkeypatch, drill):
+    """'dir/prompts.csv' looks like a hub id 'owner/name': it used to be tried on the hub at the regenerate stage,
+    while its absolute path was refused up front. An empty or blank file holds no prompt: refused before any work."""
+    drill("bad-input", "a relative .csv prompt file, an empty .txt file")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "prompts.csv").write_text("prompt\nhello\n")
+    for name in ("dir/prompts.csv", str(tmp_path / "dir" / "prompts.csv")):
+        assert f"prompt file {name!r} is not in a prompt format" in sources.source_problem(name)
+    for blank in ("", "\n  \n"):
+        (tmp_path / "empty.txt").write_text(blank)
+        assert sources.source_problem("empty.txt") == "file empty.txt is empty (or blank): it holds no prompt"
+    assert sources.source_problem("json", "empty.txt") == "file empty.txt is empty (or blank): it holds no prompt"
+    assert sources.source_problem("someone/prompts") is None  # a hub id that is no file stays one
 
 
 def test_weights_summing_past_the_largest_float_are_refused(tmp_path):

@@ -53,13 +53,37 @@ def test_each_declared_bound_is_enforced(key, value, valid):
     sets = [_override(key, value)]
     if key == "train.weight_decay":  # the default recipe's frozen copy start refuses any weight decay
         sets.append("draft.init_copy=trained")
+    # a selector rank above 0 is DFlash2's alone (core/recipe.py _selector_problems)
+    recipe = "dflash2_smollm2_135m" if key == "draft.selector_rank" and value > 0 else "dspark_smollm2_135m"
     if valid:
-        load_recipe("dspark_smollm2_135m", sets)
+        load_recipe(recipe, sets)
         return
     with pytest.raises(RecipeError) as err:
-        load_recipe("dspark_smollm2_135m", sets)
+        load_recipe(recipe, sets)
     assert f"{key} must be {_bound_of(key).text()}, got " in str(err.value)
 
 
 def test_every_bounded_key_is_tried():
     assert {key for key, _, _ in _cases()} == {row["key"] for row in BOUNDED} and len(BOUNDED) > 50
+
+
+@pytest.mark.parametrize("sets,fragment", [
+    ({"draft.selector_rank": 10**9}, "draft.selector_rank must be in [0, 4096], got 1000000000"),
+    # a power of two (SGLang's kernel takes one) above the vocabulary (49,152) and far above any useful K
+    ({"draft.selector_top_k": 131072}, "draft.selector_top_k must be in [2, 1024], got 131072"),
+], ids=["rank-1e9", "top-k-131072"])
+def test_dflash2_selector_sizes_are_refused_before_any_work(sets, fragment, tiny_qwen3, prompt_file, tmp_path, capsys,
+                                                            drill):
+    """Round 5 (K7, K8): a selector rank of 1e9 (tables of 2 x vocabulary x 1e9) and a top-K above the vocabulary
+    used to be found by the train stage, after regenerate and cache; both are refused at load, exit code 2, nothing
+    written."""
+    from conftest import tiny_overrides
+    from pipeline import main
+
+    drill("bad-input", f"--set {sets} (DFlash2 selector sizes)")
+    out = tmp_path / "run"
+    code = main(["--recipe", "dflash2_qwen3_8b", "--stages", "regenerate,cache,train", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file, **sets))
+    err = capsys.readouterr().err
+    assert code == 2 and fragment in err and "Traceback" not in err, err
+    assert not out.exists()

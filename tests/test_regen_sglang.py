@@ -132,7 +132,7 @@ _PARSE = """
 import json, sys
 from sglang.srt.server_args import prepare_server_args
 names = ("model_path", "host", "port", "dtype", "context_length", "random_seed", "sampling_defaults",
-         "mem_fraction_static", "skip_tokenizer_init")
+         "sampling_backend", "mem_fraction_static", "skip_tokenizer_init")
 results = []
 for argv in json.loads(sys.argv[1]):
     try:
@@ -146,7 +146,9 @@ print("RESULT " + json.dumps(results))
 
 def test_the_launched_command_parses_with_sglangs_own_parser(sglang_run, tiny_qwen3):
     """The argv the stage launched (after `python -m sglang.launch_server`) goes through SGLang 0.5.23's own parser:
-    every flag exists and means what we meant; the same argv with a flag SGLang lacks is refused (the check bites)."""
+    every flag exists and means what we meant; the same argv with a flag SGLang lacks is refused (the check bites).
+    Sampling runs on SGLang's pytorch backend: its default, flashinfer, builds its sampling kernel with nvcc on the
+    first sampled batch (the recipes sample), which a GPU box without a CUDA toolkit cannot."""
     if importlib.util.find_spec("sglang") is None:
         pytest.skip("sglang not installed: pip install --no-deps -r requirements-sglang-cpu-test.txt")
     argv = sglang_run["starts"][0]["argv"]
@@ -157,7 +159,7 @@ def test_the_launched_command_parses_with_sglangs_own_parser(sglang_run, tiny_qw
     parsed, refused = json.loads(lines[-1][len("RESULT "):])
     assert parsed == {"model_path": str(tiny_qwen3), "host": "127.0.0.1", "port": parsed["port"], "dtype": "float32",
                       "context_length": 128, "random_seed": 0, "sampling_defaults": "openai",
-                      "mem_fraction_static": 0.8, "skip_tokenizer_init": False}
+                      "sampling_backend": "pytorch", "mem_fraction_static": 0.8, "skip_tokenizer_init": False}
     assert argv[argv.index("--port") + 1] == str(parsed["port"])
     assert "SystemExit" in refused["error"] and "--no-such-flag" in proc.stderr
 
@@ -201,3 +203,31 @@ def test_a_python_without_the_engine_is_named_before_any_work(tmp_path):
     problem = engine_python_problem("sglang", str(bare), "regen.engine_python")
     assert problem == f"{str(bare)!r} has no sglang package: install SGLang's GPU stack there (`make venv-sglang`, or " \
                       f"`pip install -e .[sglang]` in a venv with a CUDA build of torch), or set regen.engine_python"
+
+
+def test_the_qwen3_recipes_keep_their_max_concurrency_in_flight_per_server(tiny_qwen3, tmp_path, monkeypatch):
+    """The Qwen3 recipes regenerate with 256 requests in flight per SGLang server (recipes/base/qwen3.yaml; 64, the
+    default, leaves most of an H100's batch unused on an 8B model), and the stage really keeps that many at once: the
+    fake server holds every request until no new one came for 2 s, so it sees all the client has in flight together,
+    and of 300 first turns exactly 256 (not 64, nor all 300) arrive before the first answer. The states servers keep
+    their own window, cache.max_concurrency (64)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Question {i}: what is {i} + {i}?"]}) + "\n"
+                               for i in range(400)))
+    recipe = load_recipe("dspark_qwen3_8b", [
+        f"target.name_or_path={tiny_qwen3}", f"data.sources=[{{name: '{prompts}'}}]", "data.num_prompts=300",
+        "data.max_length=128", "regen.max_new_tokens=3", f"regen.engine_python={engine_python(tmp_path)}"])
+    assert (recipe.regen.max_concurrency, recipe.cache.max_concurrency) == (256, 64)
+    assert load_recipe("dspark_smollm2_135m").regen.max_concurrency == 64
+    monkeypatch.setenv(LOG_VAR, str(tmp_path / "fake.jsonl"))
+    monkeypatch.setenv("FAKE_SGLANG_HOLD_S", "2")
+
+    def no_target():
+        raise AssertionError("the sglang backend must not load the target in-process")
+
+    run_regenerate(RegenJob(recipe, tmp_path / "regen", Dist(), no_target, load_tokenizer(str(tiny_qwen3))))
+    entries = [json.loads(line) for line in (tmp_path / "fake.jsonl").read_text().splitlines()]
+    arrivals = [e["in_flight"] for e in entries if "in_flight" in e]
+    assert len(arrivals) == 300 and len(read_records(tmp_path / "regen")) == 300
+    assert max(arrivals) == recipe.regen.max_concurrency
+    assert servers_logging_to(tmp_path / "fake.jsonl") == []

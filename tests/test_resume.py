@@ -1,7 +1,8 @@
 """Resume safety of the trainer's checkpoints, without training: the `latest` pointer is a plain step folder name or
 refused, checkpoint files load without unpickling code, checkpoints reach the disk before `latest` names them,
 pruning never deletes what `latest` names, metrics.jsonl survives a cut-off last line, the wandb run id is stable
-across processes. (The end-to-end resumes are in tests/test_trainer.py.)"""
+across processes. A DeepSpeed ZeRO checkpoint resumed on another number of ranks is refused before anything loads
+(a DDP one resumes). (The end-to-end resumes are in tests/test_trainer.py.)"""
 
 import json
 import os
@@ -17,9 +18,12 @@ import torch
 
 import train.checkpoint as checkpoint
 import train.trainer as trainer
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from core.dist import Dist
 from core.io import write_checksums
+from core.recipe import load_recipe
+from pipeline import check_inputs
+from test_trainer import train_args
 
 
 def make_checkpoints(root: Path, steps, latest=None):
@@ -210,3 +214,61 @@ def test_deepspeed_checkpoints_load_without_running_code(tmp_path, drill):
     assert result["step"] == 1 and result["same_weights"]
     assert "could run code" in result["crafted"] and "optim_states.pt" in result["crafted"]
     assert not result["code_ran"]
+
+
+# --- the rank count a checkpoint resumes on -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cached_run(tiny_qwen3, prompt_file, tmp_path_factory):
+    """A dspark_qwen3_8b run folder with its regenerate and cache stages done (the tiny Qwen3); tests copy it."""
+    out = tmp_path_factory.mktemp("cached")
+    done = run_cli(train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out, stages="regenerate,cache"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def killed_after_first_save(cached_run, tiny_qwen3, prompt_file, out, ranks, zero_stage):
+    """A train run on `ranks` ranks killed (every rank) right after its step-2 checkpoint; returns its args."""
+    shutil.copytree(cached_run, out)
+    args = train_args("dspark_qwen3_8b", tiny_qwen3, prompt_file, out,
+                      **{"train.zero_stage": zero_stage, "train.max_steps": 4, "train.save_every": 2})
+    killed = run_cli(args, {"DRAFTSMITH_KILL_AT": "train:2"}, torchrun=ranks if ranks > 1 else None)
+    assert killed.returncode != 0 and not (out / "train" / "DONE.json").exists(), killed.stderr[-3000:]
+    assert (out / "train" / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    layout = json.loads((out / "train" / "checkpoints" / "step-0000002" / checkpoint.LAYOUT_NAME).read_text())
+    assert layout == {"engine": "deepspeed" if zero_stage else "ddp", "world_size": ranks}
+    return args
+
+
+def test_a_zero_checkpoint_resumed_on_another_rank_count_is_refused_before_anything_loads(
+        cached_run, tiny_qwen3, prompt_file, tmp_path, drill):
+    """ZeRO-2 splits the optimizer state per rank (elastic checkpoints off): a 2-rank run's checkpoint resumed on 1
+    rank used to fail inside DeepSpeed's load, after every rank had loaded the target and tokenized the records. The
+    input check refuses it first (exit 2) naming the 2 ranks it needs; on 2 ranks the check passes."""
+    drill("bad-input", "ZeRO-2 checkpoint of 2 ranks resumed on 1")
+    out = tmp_path / "run"
+    args = killed_after_first_save(cached_run, tiny_qwen3, prompt_file, out, ranks=2, zero_stage=2)
+    before = sorted(p.name for p in (out / "train").rglob("*"))
+    resumed = run_cli(args)
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    assert "--stages train:" in resumed.stderr and "on 2 rank(s)" in resumed.stderr
+    assert "--nproc_per_node 2" in resumed.stderr and "this run has 1" in resumed.stderr
+    # refused by the input check: the run never started (its first line comes before the target loads)
+    assert "[draftsmith] recipe" not in resumed.stdout and "resuming from" not in resumed.stdout
+    assert sorted(p.name for p in (out / "train").rglob("*")) == before
+    overrides = [arg for arg in args[args.index("--out") + 2:] if arg != "--set"]
+    recipe = load_recipe("dspark_qwen3_8b", overrides)
+    assert check_inputs(recipe, ["train"], out, 2) == []
+    assert len(check_inputs(recipe, ["train"], out, 1)) == 1
+
+
+def test_a_ddp_checkpoint_resumes_on_another_rank_count(cached_run, tiny_qwen3, prompt_file, tmp_path):
+    """DDP's checkpoint holds the whole optimizer state (rank 0's optimizer.pt) and every step's global batch is cut
+    from the same indices whatever the rank count: a 1-rank run's checkpoint resumes on 2 ranks, not refused."""
+    out = tmp_path / "run"
+    args = killed_after_first_save(cached_run, tiny_qwen3, prompt_file, out, ranks=1, zero_stage=0)
+    resumed = run_cli(args, torchrun=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "2 rank(s)" in resumed.stdout
+    assert (out / "train" / "DONE.json").exists()

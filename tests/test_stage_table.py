@@ -4,6 +4,7 @@ target, as `train/main.py` does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from conftest import tiny_overrides
@@ -38,7 +39,9 @@ def test_each_job_is_built_from_the_recipe(tmp_path):
                    get_target_parts=lambda: "what the drafter reads of it")
     assert rows["regenerate"].job(run) == RegenJob(recipe, tmp_path / "regen", run.dist, run.get_target, "tok")
     assert rows["cache"].job(run) == CacheJob(recipe, tmp_path / "regen", tmp_path / "cache", run.dist,
-                                              run.get_target_parts, "tok")  # under cache.backend engine: the parts
+                                              run.get_target, "tok")  # cache.backend hf runs the target
+    engine = dataclasses.replace(run, recipe=load_recipe("dspark_smollm2_135m", ["cache.backend=engine"]))
+    assert rows["cache"].job(engine).get_target is run.get_target_parts  # the engine runs it: the parts
     assert rows["eval"].job(run) == EvalStageJob(tmp_path / "train" / "final", tmp_path / "eval")
     assert rows["export"].job(run) == ExportJob(tmp_path / "train" / "final", "sglang", tmp_path / "export" / "sglang",
                                                 verifier="smollm2-135m-instruct")

@@ -11,6 +11,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -170,6 +171,120 @@ def test_what_cannot_be_picked_is_refused_naming_the_set(tiny, tmp_path, capsys)
     assert main(["--target", path, "--out", str(out), *set_args({"target.chat_template": template,
                                                                  "target.layer_ids": [0]})]) == 2
     assert "--prompts FILE" in capsys.readouterr().err
+
+
+def test_a_prompt_file_that_holds_no_prompts_is_refused_up_front(tiny, tmp_path, monkeypatch, capsys, drill):
+    """`--prompts dir/prompts.csv` (relative) used to be tried as a hub dataset at the regenerate stage, and an empty
+    .txt file to end there in a ValueError traceback: both are refused before anything is written, rc 2."""
+    drill("bad-input", "--prompts: a relative .csv file, an empty .txt file")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "prompts.csv").write_text("prompt\nhello\n")
+    (tmp_path / "empty.txt").write_text("")
+    for prompts, says in (("dir/prompts.csv", "prompt file 'dir/prompts.csv' is not in a prompt format"),
+                          ("empty.txt", "file empty.txt is empty (or blank): it holds no prompt")):
+        out = tmp_path / "run"
+        assert main(["--target", tiny("llama3", 6), "--prompts", prompts, "--stages", "regenerate", "--set",
+                     "regen.backend=hf", "--out", str(out)]) == 2
+        assert f"data.sources[0]: {says}" in capsys.readouterr().err
+        assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def not_causal(tmp_path_factory):
+    """Checkpoints that are no decoder-only causal LM, with a tokenizer beside each: a BERT (transformers loads it as
+    BertLMHeadModel, attending both ways with a new head), a T5 (an encoder-decoder), and a Llama whose config.json
+    names a dtype torch has not."""
+    from transformers import BertConfig, BertModel, T5Config, T5ForConditionalGeneration
+
+    from data.assets import QWEN3_VOCAB_SIZE
+
+    root, tokenizer = tmp_path_factory.mktemp("not-causal"), build_qwen3_tokenizer()
+    BertModel(BertConfig(vocab_size=QWEN3_VOCAB_SIZE, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                         intermediate_size=128)).save_pretrained(root / "bert")
+    T5ForConditionalGeneration(T5Config(vocab_size=QWEN3_VOCAB_SIZE, d_model=32, d_ff=64, num_layers=2, num_heads=2,
+                                        d_kv=16)).save_pretrained(root / "t5")
+    llama = Path(make_tiny_target(root / "float7", "llama3", tokenizer=tokenizer, num_layers=6))
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "dtype": "float7"}))
+    for name in ("bert", "t5"):
+        tokenizer.save_pretrained(root / name)
+    return {"bert": (root / "bert", "no decoder stack"), "t5": (root / "t5", "describes an encoder-decoder model"),
+            "float7": (llama, "cannot be read as a model config (module 'torch' has no attribute 'float7')")}
+
+
+@pytest.mark.parametrize("kind", ["bert", "t5", "float7"])
+def test_a_target_that_is_no_causal_lm_is_refused_before_regenerating(kind, not_causal, tmp_path, capsys, drill):
+    """A BERT target used to regenerate (hours, on a real run) and be refused only at the cache stage ('BertLMHeadModel
+    has no .model.layers'); a T5 failed in transformers at the regenerate stage, a dtype of float7 in an
+    AttributeError traceback: each is refused before anything is written, naming its config.json, for --target and
+    for a recipe's target.name_or_path."""
+    drill("bad-input", f"a {kind} target")
+    path, says = not_causal[kind]
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is a fjord?\n")
+    out = tmp_path / "run"
+    assert main(["--target", str(path), "--prompts", str(prompts), "--stages", "regenerate", "--set",
+                 "regen.backend=hf", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --target: {path / 'config.json'}" in err and says in err, err
+    assert main(["--recipe", "dspark_smollm2_135m", "--stages", "regenerate,cache", "--out", str(out),
+                 *set_args({"target.name_or_path": path, "regen.backend": "hf"})]) == 2
+    err = capsys.readouterr().err
+    assert f"target.name_or_path: {path / 'config.json'}" in err and says in err, err
+    assert not out.exists()
+
+
+TEMPLATES = {  # --set target.chat_template value (FILE: the file written with the bytes), what the refusal says
+    "123": (None, "target.chat_template: 123 is not a path: give a Jinja chat template file"),
+    "[unclosed": (None, "--set target.chat_template: the value is not valid YAML"),
+    "binary": (bytes(range(128, 256)) * 16, "is not UTF-8 text (invalid start byte at byte 0)"),
+    "jinja error": (b"{% if %}\n", ", line 1: not a Jinja template (Expected an expression"),
+}
+
+
+@pytest.mark.parametrize("case", TEMPLATES)
+def test_a_chat_template_that_cannot_be_one_is_refused_up_front(case, tiny, tmp_path, capsys, drill):
+    """`--set target.chat_template=` 123 used to be a TypeError in pick_for_target, '[unclosed' a YAML traceback, a
+    binary file a UnicodeDecodeError, and a Jinja syntax error a TemplateSyntaxError naming '<unknown>' at the
+    regenerate stage: each is one error line, rc 2, before anything is written (with --recipe too)."""
+    drill("bad-input", f"--set target.chat_template: {case}")
+    content, says = TEMPLATES[case]
+    value = case
+    if content is not None:
+        value = str(tmp_path / "template.jinja")
+        Path(value).write_bytes(content)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is a fjord?\n")
+    out = tmp_path / "run"
+    assert main(["--target", tiny("llama3", 6), "--prompts", str(prompts), "--stages", "regenerate", "--set",
+                 "regen.backend=hf", "--set", f"target.chat_template={value}", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+    if content is not None:  # (123 and "[unclosed" the recipe schema and its YAML refuse)
+        assert main(["--recipe", "dspark_smollm2_135m", "--stages", "regenerate", "--out", str(out), "--set",
+                     f"target.chat_template={value}"]) == 2
+        err = capsys.readouterr().err
+        assert says.removeprefix("target.chat_template: ") in err, err
+    assert not out.exists()
+
+
+def test_a_target_without_tokenizer_files_is_refused_naming_them(tiny, tmp_path, capsys, drill):
+    """A folder with the config and weights but no tokenizer used to end in transformers' '...sentencepiece or
+    tiktoken installed' traceback."""
+    import shutil
+
+    drill("bad-input", "--target: a folder without tokenizer files")
+    path = tmp_path / "notok"
+    path.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(tiny("llama3", 6)) / name, path / name)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is a fjord?\n")
+    assert main(["--target", str(path), "--prompts", str(prompts), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: no tokenizer can be loaded from it" in err and "tokenizer.json" in err, err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_text_prompt_file_is_one_prompt_a_line(tmp_path):

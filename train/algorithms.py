@@ -75,15 +75,16 @@ def rollout_mask(records: list[dict], width: int, shift: int) -> torch.Tensor:
 def attach_hidden(batch: dict, records: list[dict], device, dtype) -> dict:
     """Add the records' padded hidden states, cast to the compute dtype. Done per micro-batch right before its
     forward, so a large global batch never holds every micro-batch's hidden states at once (the records themselves
-    are memory-map views)."""
+    are memory-map views). The padded tensors are made on `device` and each row is cast as it is copied in: a cache's
+    rows go up once, and online states already on the device never leave it."""
     width = batch["input_ids"].shape[1]
-    hidden = torch.zeros(len(records), width, records[0]["hidden_states"].shape[-1], dtype=dtype)
-    last = torch.zeros(len(records), width, records[0]["last_hidden_state"].shape[-1], dtype=dtype)
+    hidden = torch.zeros(len(records), width, records[0]["hidden_states"].shape[-1], dtype=dtype, device=device)
+    last = torch.zeros(len(records), width, records[0]["last_hidden_state"].shape[-1], dtype=dtype, device=device)
     for i, r in enumerate(records):
         n = len(r["input_ids"])
-        hidden[i, :n] = r["hidden_states"].to(dtype)
-        last[i, :n] = r["last_hidden_state"].to(dtype)
-    return {**batch, "hidden_states": hidden.to(device), "last_hidden_state": last.to(device)}
+        hidden[i, :n].copy_(r["hidden_states"])
+        last[i, :n].copy_(r["last_hidden_state"])
+    return {**batch, "hidden_states": hidden, "last_hidden_state": last}
 
 
 def add_feature_noise(batch: dict, std: torch.Tensor, seeds: list[tuple]) -> dict:
@@ -126,7 +127,7 @@ def input_scale(cache, max_records: int = 256) -> torch.Tensor:
         states = cache.with_hidden([cache[i]])[0]["hidden_states"][1:].double()
         total = states.pow(2).sum(0) if total is None else total + states.pow(2).sum(0)
         count += states.shape[0]
-    return (total / max(count, 1)).sqrt().clamp(min=1e-3).float()
+    return (total / max(count, 1)).sqrt().clamp(min=1e-3).float().cpu()  # online states may sit on a GPU
 
 
 class _TrainModule(torch.nn.Module):
@@ -228,9 +229,9 @@ class BlockAlgorithm:
 
     @staticmethod
     def make_batch(recipe, records: list[dict], seeds: list[tuple], device) -> dict:
-        batch = pad_records(records, device)
+        batch = pad_records(records, "cpu")  # anchors and targets are cut on the host, then the batch goes up once
         gamma, num_anchors = recipe.draft.block_size, recipe.draft.num_anchors
-        loss_mask = batch["loss_mask"].cpu()
+        loss_mask = batch["loss_mask"]
         # Anchors are drawn among positions a with loss_mask[a+1]; an on-policy batch (train/opd.py) allows only the
         # starts of its replayed rounds instead.
         anchor_mask = rollout_mask(records, loss_mask.shape[1], shift=1) if "rollout_starts" in records[0] else loss_mask
@@ -240,11 +241,10 @@ class BlockAlgorithm:
         anchors = torch.full((len(per_sample), width), -1, dtype=torch.long)
         for i, a in enumerate(per_sample):
             anchors[i, : len(a)] = a
-        labels, prev_ids, target_pos, valid = block_targets(batch["input_ids"].cpu(), loss_mask, anchors, gamma)
-        batch["weight_sum"] = block_weight_sum(valid, recipe.loss.loss_decay_gamma)
-        extra = dict(anchor_positions=anchors, labels=labels, prev_ids=prev_ids, target_pos=target_pos, valid=valid)
-        batch.update({k: v.to(device) for k, v in extra.items()})
-        return batch
+        labels, prev_ids, target_pos, valid = block_targets(batch["input_ids"], loss_mask, anchors, gamma)
+        batch.update(anchor_positions=anchors, labels=labels, prev_ids=prev_ids, target_pos=target_pos, valid=valid)
+        return {**{k: v.to(device) for k, v in batch.items()},
+                "weight_sum": block_weight_sum(valid, recipe.loss.loss_decay_gamma)}
 
     @staticmethod
     def accumulate(totals: dict, out) -> None:
@@ -310,17 +310,17 @@ class Eagle3Algorithm:
 
     @staticmethod
     def make_batch(recipe, records: list[dict], seeds: list[tuple], device) -> dict:
-        batch = pad_records(records, device)
+        batch = pad_records(records, "cpu")  # the masks and weights are made on the host, then the batch goes up once
         valid = ttt_valid_mask(batch["loss_mask"], batch["attention_mask"], recipe.draft.ttt_length)
         if "rollout_starts" in records[0]:  # on-policy batch: the rounds pending at a draft from t = a - 1
-            valid = valid & rollout_mask(records, valid.shape[-1], shift=-1).to(valid.device)
-        batch["step_valid"] = list(valid)
+            valid = valid & rollout_mask(records, valid.shape[-1], shift=-1)
         if recipe.loss.eagle3_loss_norm == "positions":  # DeepSpec: every step's sum over the batch's tokens
-            batch["weight_sum"] = float(batch["attention_mask"].sum())
+            weight_sum = float(batch["attention_mask"].sum())
         else:
             counts = [v.sum().item() for v in valid]  # valid positions per TTT step
-            batch["weight_sum"] = float(eagle3_weight_sum(counts, recipe.loss.step_loss_decay))
-        return batch
+            weight_sum = float(eagle3_weight_sum(counts, recipe.loss.step_loss_decay))
+        return {**{k: v.to(device) for k, v in batch.items()}, "step_valid": list(valid.to(device)),
+                "weight_sum": weight_sum}
 
     @staticmethod
     def accumulate(totals: dict, out) -> None:

@@ -5,6 +5,7 @@ refuses a damaged or foreign checkpoint by name instead of training on it or sil
 from __future__ import annotations
 
 import importlib
+import json
 import pickle
 import re
 import shutil
@@ -13,8 +14,8 @@ from pathlib import Path
 import torch
 
 from core.dist import Dist, fault_point
-from core.io import (DamagedFileError, atomic_open, atomic_write_text, fresh_dir, require_free_space, sync_tree,
-                     verify_checksums, write_checksums, write_failure)
+from core.io import (DamagedFileError, atomic_open, atomic_write_json, atomic_write_text, fresh_dir, require_free_space,
+                     sync_tree, verify_checksums, write_checksums, write_failure)
 from modeling.registry import read_draft_weights
 from train.ema import averaged_weights
 
@@ -22,6 +23,9 @@ from train.ema import averaged_weights
 CHECKPOINT_NAME = re.compile(r"step-\d{7}")
 #: a checkpoint's fp32 average of the trainable draft weights (train.ema_decay > 0; train/ema.py)
 AVERAGE_NAME = "ema.pt"
+#: how a checkpoint's optimizer state lies over the ranks: {"engine": "ddp" | "deepspeed", "world_size": N}, read by
+#: `rank_count_problem` before anything loads (a few bytes of JSON: trainer_state.pt holds the trained weights)
+LAYOUT_NAME = "layout.json"
 
 
 def checkpoint_dir(ckpt_root: Path, step: int) -> Path:
@@ -80,6 +84,7 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
         elif dist.is_main:
             save_tensors({"optimizer": optimizer.state_dict()}, path / "optimizer.pt")
         if dist.is_main:
+            atomic_write_json(path / LAYOUT_NAME, {"engine": engine.kind, "world_size": dist.world_size})
             module.save_draft(path / "draft")
             fault_point("train-save", step)  # killed mid-save: the folder is half written, `latest` names the last
             trained = {name: value for name, value in module.state_dict().items() if name not in frozen}
@@ -97,6 +102,29 @@ def save_checkpoint(engine, module, optimizer, step: int, ckpt_root: Path, dist:
         atomic_write_text(ckpt_root / "latest", path.name + "\n")
     dist.barrier()
     return path
+
+
+def rank_count_problem(ckpt_root: Path, world_size: int) -> str | None:
+    """The checkpoint `latest` names written by DeepSpeed ZeRO on another number of ranks than `world_size`, said
+    before anything loads (DeepSpeed's own load fails only after every rank loaded the target and its records): ZeRO
+    splits the optimizer state into one file per data-parallel rank and cannot re-split it (elastic checkpoints are
+    off). A DDP checkpoint holds the whole optimizer state (rank 0's optimizer.pt) and the step's global batch is
+    cut by rank from the same indices, so it resumes on any count. None too for a checkpoint written before
+    LAYOUT_NAME (its count unknown), and for a `latest` or layout the resume itself refuses by name."""
+    try:
+        path = latest_checkpoint(ckpt_root)
+        layout = json.loads((path / LAYOUT_NAME).read_text()) if path is not None else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(layout, dict) or layout.get("engine") != "deepspeed":
+        return None
+    saved = layout.get("world_size")
+    if not isinstance(saved, int) or saved == world_size:
+        return None
+    return (f"{path} was saved by DeepSpeed ZeRO (train.zero_stage > 0) on {saved} rank(s), which splits the "
+            f"optimizer state per rank, and this run has {world_size}: resume it on {saved} (torchrun "
+            f"--nproc_per_node {saved}, or nodes x processes per node = {saved}), or delete {ckpt_root} to train from "
+            f"step 0 on {world_size}")
 
 
 def save_tensors(obj, path: Path) -> None:

@@ -50,8 +50,33 @@ class Answer:
 # --- backends -----------------------------------------------------------------------------------------------------
 
 
+_LONGEST_TOKEN: dict[int, tuple[object, int | None]] = {}  # id -> (the tokenizer, kept alive so the id is its own)
+
+
+def _longest_token_chars(tokenizer) -> int | None:
+    """The most characters one token stands for (a byte-level token's string has one character a byte); None for a
+    tokenizer with no vocabulary to read."""
+    known = _LONGEST_TOKEN.get(id(tokenizer))
+    if known is None or known[0] is not tokenizer:
+        vocab = getattr(tokenizer, "get_vocab", None)
+        known = _LONGEST_TOKEN[id(tokenizer)] = (tokenizer, max(map(len, vocab()), default=1) if vocab else None)
+    return known[1]
+
+
+def too_long_by_characters(tokenizer, messages: list[dict], max_length: int) -> Answer | None:
+    """The too-long refusal of a prompt whose characters alone fill data.max_length tokens of the tokenizer's longest:
+    decided without tokenizing it (a 50 MB line took minutes and GBs to tokenize, to be refused)."""
+    chars, longest = sum(len(m.get("content") or "") for m in messages), _longest_token_chars(tokenizer)
+    if longest and chars >= max_length * longest:
+        return Answer(error=f"prompt is {chars:,} characters, more than data.max_length={max_length} tokens hold",
+                      too_long=True)
+    return None
+
+
 def fitting_prompt_ids(tokenizer, messages: list[dict], regen, max_length: int) -> list[int] | Answer:
     """The ids the target is prompted with, or the too-long refusal when they leave no room below data.max_length."""
+    if (refused := too_long_by_characters(tokenizer, messages, max_length)) is not None:
+        return refused
     ids = render_prompt_ids(tokenizer, messages, enable_thinking=regen.enable_thinking)
     if len(ids) >= max_length:
         return Answer(error=f"prompt is {len(ids)} tokens, not below data.max_length={max_length}", too_long=True)
@@ -319,15 +344,24 @@ class SGLangBackend(OwnServerBackend):
     GPU only: SGLang's CPU engine needs a CPU build of sgl_kernel that no wheel ships (pipeline.py refuses the backend
     without CUDA). Unlike vLLM's it also stops at generation_config.json's extra eos ids (Qwen3's <|endoftext|>; no
     flag turns that off), where the HF backend goes on. Not yet run on a GPU: its command line is checked by SGLang's
-    own parser, its requests and answers against a fake server in SGLang's response shape (test_regen_sglang.py)."""
+    own parser, its requests and answers against a fake server in SGLang's response shape (test_regen_sglang.py).
+
+    Sampled answers are not reproducible: each request carries its `seed`, which SGLang reads as `sampling_seed` but
+    uses only under --enable-deterministic-inference (srt/sampling/sampling_batch_info.py), slower and not passed
+    here. A chunk asked again after a crash gets other answers than the lost ones (the HF backend's are the same)."""
 
     ENGINE = "sglang"
 
     def command(self, python: str, target_path: str, port: int, dtype: str, on_gpu: bool) -> list[str]:
         # --sampling-defaults openai: the request alone sets the sampling (under `model`, SGLang's default, the
         # model's generation_config.json would fill what the request leaves out: its min_p, repetition_penalty).
+        # --sampling-backend pytorch: SGLang's default, flashinfer, compiles its top-k/top-p sampling kernel with nvcc
+        # on the first sampled batch (flashinfer ships no prebuilt one): without a CUDA toolkit every server would die
+        # there, minutes into the stage. Its pytorch backend (sort, cumsum, multinomial) needs no build; its cost
+        # beside flashinfer's kernel has not been measured here.
         return sglang_server_command(python, target_path, port, dtype=dtype, context_length=self.max_length,
-                                     extra=("--sampling-defaults", "openai", *self.regen.server_args))
+                                     extra=("--sampling-defaults", "openai", "--sampling-backend", "pytorch",
+                                            *self.regen.server_args))
 
     @staticmethod
     def placement(dist: Dist) -> dict[str, str]:

@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 
 from data.chat import build_messages, render_prompt_ids
 from data.sources.prompts import load_prompts
-from data.regen.backends import Answer, OpenAIBackend, SourceBackend, open_backend
+from data.regen.backends import Answer, OpenAIBackend, SourceBackend, open_backend, too_long_by_characters
 from data.sources.rows import Prompt
 from core import stage
 from core.io import atomic_open, atomic_write_json
@@ -134,6 +134,8 @@ def regenerate_chunk(backend, prompts: list[Prompt], recipe, chunk_seed: int) ->
 
 def _first_turn_length(prompt: Prompt, recipe, tokenizer) -> int:
     messages = build_messages([prompt.turns[0]], [], _system(prompt, recipe))
+    if too_long_by_characters(tokenizer, messages, recipe.data.max_length):
+        return recipe.data.max_length  # last; the backend skips it, untokenized
     return len(render_prompt_ids(tokenizer, messages, enable_thinking=recipe.regen.enable_thinking))
 
 

@@ -30,12 +30,16 @@ from typing import IO, Any
 from core.hub import hub_endpoint, hub_reachable, offline_variable
 from core.io import DamagedFileError
 
-__all__ = ["CHUNK_CHARS", "NotAnArray", "decode_errors_named", "iter_json_array_stream", "load_hub_rows", "open_text",
-           "package_file", "read_json_rows", "read_json_rows_python"]
+__all__ = ["CHUNK_CHARS", "MAX_JSON_DEPTH", "NotAnArray", "decode_errors_named", "first_text_char",
+           "iter_json_array_stream", "json_depth_problem", "load_hub_rows", "open_text", "package_file",
+           "read_json_rows", "read_json_rows_python"]
 
 logger = logging.getLogger(__name__)
 
 CHUNK_CHARS = 1 << 20  # characters read per step when streaming a JSON array
+# A prompt row nests 4 levels (array, row, conversations, message); pyarrow crashes the process (SIGSEGV) on a file
+# nested ~100k deep, and Python's json raises RecursionError past ~1000: deeper files are refused before either reads.
+MAX_JSON_DEPTH = 64
 
 
 class NotAnArray(ValueError):
@@ -63,10 +67,11 @@ def package_file(dist_name: str, suffix: str) -> Path:
 
 
 def open_text(path: str | os.PathLike) -> IO[str]:
-    """The file as UTF-8 text, decompressed when its name ends in .gz."""
+    """The file as UTF-8 text, decompressed when its name ends in .gz; a leading byte order mark (Windows editors
+    write one) is not text."""
     if str(path).endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8")
-    return open(path, encoding="utf-8")
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
 
 
 @contextlib.contextmanager
@@ -153,6 +158,9 @@ def iter_json_array_stream(f: IO[str], chunk_chars: int | None = None, where: st
             return
         try:
             obj, end = decoder.raw_decode(buf, pos)
+        except RecursionError:
+            raise syntax_error(pos, count, f"nested too deep to parse (no prompt row nests over {MAX_JSON_DEPTH} "
+                                           "levels)") from None
         except json.JSONDecodeError as exc:
             if not _cut_by_end_of_text(exc):
                 raise syntax_error(exc.pos, count, exc.msg) from None
@@ -191,6 +199,8 @@ def read_json_rows_python(path: Path) -> list[Any]:
             data = json.loads(stripped)
         except json.JSONDecodeError as exc:
             raise DamagedFileError(f"{path}: invalid JSON: {exc}") from None
+        except RecursionError:
+            raise DamagedFileError(f"{path}: JSON nested too deep to parse: {_NOT_ROWS}") from None
         return list(data)
     if stripped and not stripped.startswith("{"):
         raise DamagedFileError(f"{path}: neither a JSON array of rows nor JSON Lines (one object a line, like "
@@ -204,7 +214,27 @@ def read_json_rows_python(path: Path) -> list[Any]:
             rows.append(json.loads(line))
         except json.JSONDecodeError as exc:
             raise DamagedFileError(f"{path}: line {lineno} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise DamagedFileError(f"{path}: line {lineno} is JSON nested too deep to parse: {_NOT_ROWS}") from None
     return rows
+
+
+# A JSON string (no raw newline in one: JSON escapes them), whose brackets are text, not nesting
+_JSON_STRING = re.compile(r'"(?:[^"\\\n]|\\.)*"')
+_NOT_ROWS = f"a prompt row nests at most a few levels (the limit is {MAX_JSON_DEPTH}); this is not a prompt file"
+
+
+def json_depth_problem(path: Path, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """Where the JSON (Lines) file nests deeper than ``limit``, found by one streamed pass over its brackets outside
+    strings, line by line (a JSON string holds no raw newline); None when it does not."""
+    depth = 0
+    with decode_errors_named(path), open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            for bracket in re.findall(r"[\[\]{}]", _JSON_STRING.sub("", line)):
+                depth += 1 if bracket in "[{" else -1
+                if depth > limit:
+                    return f"{path}: line {lineno}: JSON nested over {limit} levels deep: {_NOT_ROWS}"
+    return None
 
 
 def read_json_rows(path: Path) -> list[Any]:
@@ -214,8 +244,11 @@ def read_json_rows(path: Path) -> list[Any]:
     Arrow schema (rows of mixed or conflicting shapes) fall back to plain Python. Only a file that starts like an
     array or an object goes to ``datasets``: its reader crashes the process on a top-level ``null``.
     """
-    if _first_char(path) not in ("[", "{"):
+    if first_text_char(path) not in ("[", "{"):
         return read_json_rows_python(path)  # an empty file, or one refused there by name
+    problem = json_depth_problem(path)
+    if problem:
+        raise DamagedFileError(problem)
     try:
         import datasets
 
@@ -227,7 +260,7 @@ def read_json_rows(path: Path) -> list[Any]:
         return read_json_rows_python(path)
 
 
-def _first_char(path: Path) -> str:
+def first_text_char(path: Path) -> str:
     """The file's first character that is not blank ("" for none)."""
     with decode_errors_named(path), open_text(path) as f:
         while chunk := f.read(4096):

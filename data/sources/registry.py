@@ -58,8 +58,8 @@ from pathlib import Path
 
 from core.io import DamagedFileError
 from data.sources.libcode import library_prompts
-from data.sources.readers import (NotAnArray, decode_errors_named, iter_json_array_stream, load_hub_rows, open_text,
-                          package_file, read_json_rows)
+from data.sources.readers import (NotAnArray, decode_errors_named, first_text_char, iter_json_array_stream,
+                                  load_hub_rows, open_text, package_file, read_json_rows)
 from data.sources.rows import (IdMaker, Prompt, clean_answers, clean_turns, gsm8k_answer, row_id, rows_to_prompts,
                                shape_error)
 from data.sources.wordmath import COUNT, word_problems
@@ -141,6 +141,9 @@ def resolve_source(name: str, path: str | None) -> SourceSpec:
         return SourceSpec("file", _file_source_name(path), path)
     if _is_prompt_file(name):
         return SourceSpec("file", _file_source_name(name), name)
+    if os.path.isfile(name):  # a file is never a hub id, even when its name looks like one ('dir/prompts.csv')
+        raise ValueError(f"prompt file {name!r} is not in a prompt format: give rows as .jsonl/.json (optionally "
+                         ".gz), or a .txt file of one prompt a line")
     if os.path.isdir(name):
         return SourceSpec("hub", Path(name).name, name)
     if _HF_ID.match(name):
@@ -163,6 +166,12 @@ def source_problem(name: str, path: str | None = None) -> str | None:
         return f"folder {spec.path} not found"
     if spec.path and spec.kind not in ("hub", "libcode") and not Path(spec.path).is_file():
         return f"file {spec.path} not found"
+    if spec.kind == "file":
+        try:
+            if not first_text_char(Path(spec.path)):
+                return f"file {spec.path} is empty (or blank): it holds no prompt"
+        except DamagedFileError as exc:
+            return str(exc)
     return None
 
 

@@ -24,13 +24,14 @@ from data.states.cache import CacheSpec, TargetCache, bytes_per_token, format_by
 from data.states.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
 from data.regen.regenerate import RECORDS_NAME, iter_records
-from data.states.engine import EngineStates
+from data.states.engine import EngineStates, EngineStatesError
 from modeling.target import (backbone, capture_hidden_states, check_layer_ids, decoder_layers, target_hidden_size,
                              weights_fingerprint)
 from modeling.vocab import count_tokens
 from core import stage
 from core.dist import Dist, fault_point
 from core.recipe import Recipe
+from core.redact import redact_url
 from core.io import require_free_space, sha256_file
 
 
@@ -131,10 +132,12 @@ def read_loss_token_counts(cache: TargetCache, vocab_size: int) -> torch.Tensor:
     return counts
 
 
-def capture_rows(model, rows: list[dict], layer_ids: list[int], dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(hidden_states [T, K*H], last_hidden_state [T, H]) of each row, in `dtype` on the CPU, from one target forward
-    over the rows (right-padded: the forward is causal, so real positions never see the padding). The cache stage
-    stores these; the train stage's online mode (data/states/online.py) computes them for each step's rows instead."""
+def capture_rows(model, rows: list[dict], layer_ids: list[int], dtype,
+                 to_host: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(hidden_states [T, K*H], last_hidden_state [T, H]) of each row, in `dtype`, from one target forward over the
+    rows (right-padded: the forward is causal, so real positions never see the padding). The cache stage stores these
+    from the CPU (`to_host`); the train stage's online mode (data/states/online.py) computes them for each step's rows
+    and keeps them on the target's device (`to_host=False`: a GPU's states never round-trip through the host)."""
     device = model.device
     width = max(len(r["input_ids"]) for r in rows)
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -143,7 +146,8 @@ def capture_rows(model, rows: list[dict], layer_ids: list[int], dtype) -> list[t
         input_ids[i, : len(r["input_ids"])] = torch.as_tensor(r["input_ids"])
         attention_mask[i, : len(r["input_ids"])] = 1
     hidden, last = capture_hidden_states(model, input_ids.to(device), attention_mask.to(device), layer_ids)
-    return [(hidden[i, :len(r["input_ids"])].to("cpu", dtype), last[i, :len(r["input_ids"])].to("cpu", dtype))
+    out = "cpu" if to_host else hidden.device
+    return [(hidden[i, :len(r["input_ids"])].to(out, dtype), last[i, :len(r["input_ids"])].to(out, dtype))
             for i, r in enumerate(rows)]
 
 
@@ -192,9 +196,11 @@ def run_cache(job: CacheJob) -> dict:
                 "data": {k: getattr(recipe.data, k) for k in ("max_length", "thinking", "min_loss_tokens")}}
     if spec.encoding == "raw":  # pinned as before cache.encoding existed: older runs' finished caches still skip
         del settings["spec"]["encoding"], settings["cache"]["encoding"]
-    # Where the servers are may change between a run and its resume; which backend computed the states may not (their
-    # numbers differ in the last bits). The default's settings stay as before the key existed.
-    for key in ("server_urls", "states_dir", *(("backend",) if recipe.cache.backend == "hf" else ())):
+    # Where the servers are and their tuning flags may change between a run and its resume (as regen.server_args);
+    # which backend computed the states may not (their numbers differ in the last bits). The default's settings stay
+    # as before the key existed.
+    for key in ("server_urls", "states_dir", "server_args", "max_concurrency",
+                *(("backend",) if recipe.cache.backend == "hf" else ())):
         del settings["cache"][key]
     done = stage.start(out_dir, settings, "cache", dist.is_main, notes={"cache.encoding": ENCODING_NOTE})
     if done is not None:
@@ -229,8 +235,11 @@ def run_cache(job: CacheJob) -> dict:
                    position=dist.rank, disable=not todo)
         for s in todo:
             shard_rows = rows[s * per_shard: (s + 1) * per_shard]
-            writer.write_shard(s, _with_fault(_shard_records(capture, shard_rows, s * per_shard, per_round, dtype,
-                                                             bar), s))
+            try:
+                writer.write_shard(s, _with_fault(_shard_records(capture, shard_rows, s * per_shard, per_round,
+                                                                 dtype, bar), s))
+            except EngineStatesError as exc:  # which shard the engine's row was for: nothing of it published
+                raise EngineStatesError(f"cache shard {s}: {exc}") from None
         bar.close()
     elapsed = time.perf_counter() - start
     dist.wait()  # ranks finish their shards at different times: the long timeout, then the per-step collectives
@@ -256,7 +265,7 @@ def run_cache(job: CacheJob) -> dict:
 def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool, info: dict):
     """(capture(rows, dtype) -> [(hidden, last)], rows per call): the in-process target's forward (cache.batch_size
     rows, padded), or a vLLM engine's (cache.backend engine; a shard's rows streamed in order, as many in flight as
-    regen.max_concurrency allows, the engine batching them itself; `info` gets its server's start-up seconds). The
+    cache.max_concurrency allows, the engine batching them itself; `info` gets its server's start-up seconds). The
     engine's server, when the stage starts one, is stopped whatever happens."""
     if recipe.cache.backend != "engine":
         yield (lambda rows, dtype: capture_rows(model, rows, recipe.target.layer_ids, dtype)), recipe.cache.batch_size
@@ -268,8 +277,8 @@ def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool, info: dict
     if engine.server is not None:
         info["server_startup_s"] = round(engine.server.startup_s, 2)
     try:
-        dist.print(f"[cache] hidden states from the vLLM engine at {', '.join(engine.urls)} (cache.backend engine; "
-                   f"its layers {engine.aux_ids})")
+        dist.print(f"[cache] hidden states from the vLLM engine at {', '.join(map(redact_url, engine.urls))} "
+                   f"(cache.backend engine; its layers {engine.aux_ids})")
         yield engine.capture, recipe.cache.records_per_shard  # a shard's rows streamed (EngineStates.capture)
     finally:
         engine.close()

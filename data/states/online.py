@@ -10,8 +10,11 @@ get the selected layers' outputs and the final-norm state. Nothing reaches the d
 
 The states are rounded to `cache.dtype` and through `cache.encoding`, exactly as an offline run reads them back from
 the cache (data/states/cache.py's `as_stored`), so an online run and an offline run of one recipe (same seed, same rows)
-train on the same numbers and log the same losses. The price is one target forward per sequence per epoch instead of
-one in all; a target too large to sit beside the drafter in every training process keeps the offline cache.
+train on the same numbers and log the same losses. With the in-process target the states stay on its device from the
+forward to the draft's input: the rounding (frexp, ldexp and the e4m3 cast are exact or round to nearest even on every
+device) and the Trainer's padding run there, so a GPU rank copies no states to the host (tests/test_online.py runs
+this path on the `meta` device, where any host copy fails). The price is one target forward per sequence per epoch
+instead of one in all; a target too large to sit beside the drafter in every training process keeps the offline cache.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from core.dist import Dist
 from data.states.cache import as_stored
 from data.states.capture import (TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, cache_spec, capture_rows, loss_token_counts,
                           regen_digest, training_rows)
-from data.states.engine import EngineStates
+from data.states.engine import ONLINE_GPU_SHARE, EngineStates
 from modeling.target import backbone, decoder_layers, target_hidden_size, weights_fingerprint
 
 
@@ -36,8 +39,8 @@ class OnlineRecords:
     micro-batch of states).
 
     Under cache.backend engine the states come from a vLLM server instead (data/states/engine.py: the stage's own,
-    started on the first micro-batch and stopped by `close`, or cache.server_urls'), and `get_model` gives the target
-    without its decoder layers."""
+    started here, before the trainer allocates its drafter and optimizer, with ONLINE_GPU_SHARE of a GPU, and stopped
+    by `close`; or cache.server_urls'), and `get_model` gives the target without its decoder layers."""
 
     def __init__(self, recipe, regen_dir: Path, tokenizer, get_model, dist: Dist | None = None,
                  log_dir: Path | None = None):
@@ -51,6 +54,7 @@ class OnlineRecords:
         #: the cache the cache stage would write: the states go through its dtype and encoding
         self.spec = cache_spec(recipe, target_hidden_size(recipe.target.name_or_path), tokenizer)
         self.batch_size = recipe.cache.batch_size
+        model = get_model()
         # The manifest keys the Trainer and the families read: the data's identity (the train stage pins it, so a
         # resume that would round or encode the states otherwise is refused), Eagle3's token counts.
         identity = (f"online:{records_sha256}" + ("" if self.spec.encoding == "raw" else f":{self.spec.encoding}")
@@ -60,7 +64,11 @@ class OnlineRecords:
                          "num_tokens": sum(len(r["input_ids"]) for r in self.rows),
                          "meta": {"regen_records_sha256": records_sha256, "dropped": dropped,
                                   TOKEN_COUNTS_KEY: loss_token_counts(self.rows),
-                                  TARGET_WEIGHTS_META: weights_fingerprint(get_model())}}
+                                  TARGET_WEIGHTS_META: weights_fingerprint(model)}}
+        if recipe.cache.backend == "engine":
+            # now, not at the first micro-batch: vLLM takes its share of the GPU only if that much is free when it
+            # starts, and the trainer's allocations come after this
+            self._start_engine(model)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -83,11 +91,15 @@ class OnlineRecords:
     def _capture(self):
         model = self.get_model()
         if self.recipe.cache.backend != "engine":
-            return lambda rows, dtype: capture_rows(model, rows, self.layer_ids, dtype)
-        if self.engine is None:
-            self.engine = EngineStates(self.recipe, self.dist, self.log_dir, backbone(model).norm,
-                                       len(decoder_layers(model)))
+            # on the target's device: the rounding below and the Trainer's padding run there too (no host copy)
+            return lambda rows, dtype: capture_rows(model, rows, self.layer_ids, dtype, to_host=False)
+        if self.engine is None:  # closed, then read again
+            self._start_engine(model)
         return self.engine.capture
+
+    def _start_engine(self, model) -> None:
+        self.engine = EngineStates(self.recipe, self.dist, self.log_dir, backbone(model).norm,
+                                   len(decoder_layers(model)), gpu_share=ONLINE_GPU_SHARE)
 
     def close(self) -> None:
         """Stop the engine's server, if this started one (the in-process target needs nothing)."""
