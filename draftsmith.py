@@ -128,12 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown command {command!r}; choose from {', '.join(COMMANDS)}")
     if command == "recipes":
         return run_recipes(rest)
-    script_main, program = _script_main(command), sys.argv[0]
-    sys.argv[0] = f"draftsmith {command}"  # the usage line of a script whose parser takes its name from argv
-    try:  # the driver names its program itself (train/main.py, whatever argv[0] is): told here
-        return script_main(rest, prog=f"draftsmith {command}") if command == "train" else script_main(rest)
-    finally:
-        sys.argv[0] = program
+    # each script names its program in its usage and errors (its own file's name run alone): told the subcommand's
+    return _script_main(command)(rest, prog=f"draftsmith {command}")
 
 
 if __name__ == "__main__":

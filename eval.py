@@ -169,8 +169,8 @@ def prompt_file_problem(args) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+def main(argv=None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--draft", required=True, help="draft folder, `ngram`, or `lm:<path or id>`")
     parser.add_argument("--target", required=True, help="HF id or path, or smollm2-135m-instruct")

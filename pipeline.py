@@ -36,7 +36,6 @@ from core.malloc import keep_freed_memory
 from core.recipe import (FAMILIES, RecipeError, compose_recipe, list_recipes, load_recipe, overridden,
                          shareable_recipe_dict)
 from core.server import ENGINES, engine_python_problem
-from data.sources.prompts import training_overlap
 from data.sources.registry import source_problem
 
 # The stages' modules (torch, transformers: ~12 s to import on a small machine) are imported where they are first
@@ -153,6 +152,9 @@ def main(argv=None, prog="train/main.py") -> int:
             print(f"[draftsmith] removed {len(stale)} temporary file(s) an interrupted run left in {out}", flush=True)
     from core.dist import close_dist, init_dist
     from data.states.cache import CacheCorruptedError, CacheMismatchError
+    from data.regen.regenerate import SourcesError
+    from data.states.engine import EngineStatesError
+    from eval.run import TrainedPromptsError
     from export.convert import NotAnExportError
 
     dist = init_dist()
@@ -168,9 +170,10 @@ def main(argv=None, prog="train/main.py") -> int:
         run_stages(recipe, stages, out, dist)
         finished = True
     except (stage.StageMismatchError, CacheMismatchError, CacheCorruptedError, DamagedFileError, LinkedPathError,
-            NotAnExportError) as exc:
-        # a folder made with other settings, a damaged or malformed file, a link: the user's to mend, not a bug, so
-        # its message alone (once, not a traceback from every rank)
+            NotAnExportError, EngineStatesError, TrainedPromptsError, SourcesError) as exc:
+        # a folder made with other settings, a damaged or malformed file, a link, an engine's bad answer, an eval
+        # set of training prompts, too few prompts or none: the user's to mend, not a bug, so its message alone (once,
+        # not a traceback from every rank)
         if dist.is_main:
             print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -280,9 +283,12 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     if "regenerate" in stages and not stage.is_done(out / "regen"):  # done: its prompt files are no longer read
         for i, src in enumerate(recipe.data.sources):
             source(f"data.sources[{i}]", src.name, src.path)
-    if "eval" in stages:
+    if "eval" in stages and not source_problem(recipe.eval.dataset):
+        from eval.run import eval_set_problem
+
+        problems += eval_set_problem(recipe, sources_read=not stage.is_done(out / "regen"))
+    elif "eval" in stages:
         source("eval.dataset", recipe.eval.dataset, None)
-        problems += eval_overlap_problem(recipe)
     engine = recipe.regen.backend if recipe.regen.backend in ENGINES else None  # a server the stage starts
     if "regenerate" in stages and engine and not stage.is_done(out / "regen"):
         setting = "regen.engine_python" + (" (or $DRAFTSMITH_VLLM_PYTHON)" if engine == "vllm" else "")
@@ -308,7 +314,7 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
         else None
     layers, vocab = (shape or {}).get("num_layers"), (shape or {}).get("vocab_size")
     if "train" in stages and (shape or {}).get("hidden_size"):
-        problems += block_memory_problem(recipe, shape["hidden_size"])
+        problems += block_memory_problem(recipe, shape["hidden_size"], vocab or 0)
     if (shape or {}).get("hidden_size"):
         problems += cache_disk_problem(recipe, stages, out, shape["hidden_size"])
     bad = [i for i in recipe.target.layer_ids if layers is not None and i >= layers]
@@ -331,18 +337,6 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     return problems
 
 
-def eval_overlap_problem(recipe) -> list[str]:
-    """An eval set holding training prompts measures memory, not drafting: refused unless the recipe asks for it
-    (eval.allow_training_prompts). Decided from the sources' names, without reading them."""
-    if recipe.eval.allow_training_prompts or source_problem(recipe.eval.dataset):
-        return []
-    why = training_overlap(recipe.eval.dataset, recipe.data.sources, recipe.data.holdout_fraction)
-    if why is None:
-        return []
-    return [f"eval.dataset {recipe.eval.dataset}: its prompts would be training prompts: {why}; or set "
-            f"eval.allow_training_prompts=true to measure how the drafter fits the prompts it trained on"]
-
-
 def export_problem(recipe, architecture: str | None) -> list[str]:
     """The export stage writes an SGLang checkpoint: a target SGLang cannot serve this family's draft beside
     (export/serving.py unserved_target) is refused before the training that comes first, not after it."""
@@ -358,12 +352,13 @@ def export_problem(recipe, architecture: str | None) -> list[str]:
             f"export with export/main.py where an engine serves it)"] if why else []
 
 
-def block_memory_problem(recipe, hidden_size: int) -> list[str]:
+def block_memory_problem(recipe, hidden_size: int, vocab: int) -> list[str]:
     """A block drafter's micro-batch holds micro_batch_size x num_anchors x block-length draft tokens; each draft layer
     keeps at least one fp32 hidden state per token for the backward and, on CPU, SDPA's copy of the block attention
     mask (a bool [tokens, context + tokens] of each sequence, copied per layer in the compute dtype, bf16 at least;
-    the GPU's flex attention builds none). Refuse, before regeneration, a block size whose lower bound alone exceeds
-    this machine's memory (it used to run out of memory after regenerate and cache, at step 1)."""
+    the GPU's flex attention builds none); DFlash2's selector tables (2 x vocab x selector_rank fp32 parameters) keep
+    a gradient and Adam's two moments. Refuse, before regeneration, sizes whose lower bound alone exceeds this
+    machine's memory (it used to run out of memory after regenerate and cache, at step 1)."""
     import torch
 
     from modeling.dspark import block_length
@@ -377,7 +372,12 @@ def block_memory_problem(recipe, hidden_size: int) -> list[str]:
     activations = tokens * hidden_size * 4 * draft.num_layers
     mask = 0 if torch.cuda.is_available() else sequences * per_sequence**2 * (1 + 2 * draft.num_layers)
     have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if activations + mask <= have:
+    tables = 2 * vocab * draft.selector_rank * 16 if recipe.family == "dflash2" else 0
+    if tables > have:
+        return [f"draft.selector_rank {draft.selector_rank}: DFlash2's tables hold 2 x {vocab:,} tokens x the rank "
+                f"parameters, {tables / 2**30:,.1f} GiB with their gradients and Adam's state (16 bytes each), more "
+                f"than this machine's {have / 2**30:,.1f} GiB: the [dflash2] base sets 256"]
+    if activations + mask + tables <= have:
         return []
     return [f"draft.block_size {draft.block_size}: train.micro_batch_size {sequences} x draft.num_anchors "
             f"{draft.num_anchors} x the block's {block_len} slots puts {tokens:,} draft tokens "

@@ -302,7 +302,9 @@ class EvalConfig:
     ngram_baseline: bool = setting(True, "also decode with the n-gram drafter and report the draft's tau as a ratio "
                                    "of its")
     allow_training_prompts: bool = setting(False, "true = measure on prompts the drafter trained on (the overfit "
-                                           "recipes); false refuses such a run")
+                                           "recipes); false drops the eval prompts training answered (compared by "
+                                           "what they say; report training_prompts) and refuses an eval set of "
+                                           "nothing else, or a shared source at data.holdout_fraction 0")
 
 
 @dataclass

@@ -160,11 +160,21 @@ def write_report(report: dict, folder: Path, plot: bool = True) -> None:
         plot_acceptance(report, folder / "accept_rate.png")
 
 
+def trained_prompts_note(report: dict) -> str:
+    """What report_markdown says of the eval prompts found among the training prompts (report `training_prompts`)."""
+    t = report.get("training_prompts")
+    if t is None:
+        return " (not held against the training prompts)"
+    if t["kept"]:
+        return f"; {t['found']} of the {t['of']} are training prompts, kept (eval.allow_training_prompts)"
+    return f"; {t['found']} of the {t['of']} drawn were training prompts (by what they say), left out"
+
+
 def report_markdown(report: dict) -> str:
     k = len(report["accept_rate_at_k"])
     lines = [f"# Speculative decoding: {report['dataset']}", "",
              f"draft `{report['draft']}`, target `{report['target']}`, T={report['temperature']}, "
-             f"gamma={report['block_size']}, {report['num_samples']} prompts", "",
+             f"gamma={report['block_size']}, {report['num_samples']} prompts{trained_prompts_note(report)}", "",
              "| drafter | tau | exact match | spec tok/s | target tok/s | speedup | verify rate |",
              "|---|---|---|---|---|---|---|",
              *[f"| {name} | {arm['accept_len']:.3f} | {arm['exact_match']} | {arm['spec_tokens_per_s']:.1f} | "

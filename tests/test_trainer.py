@@ -120,6 +120,9 @@ def test_each_family_trains_and_its_loss_falls(family, prepared, tiny_qwen3, pro
     # the eval stage ran the trained drafter losslessly and printed tau
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["exact_match"] == 1.0 and report["block_size"] == 3
+    # held against the prompts it trained on, by what they say: the training file's, kept (an overfit check)
+    trained = report["training_prompts"]
+    assert trained["kept"] and trained["of"] == report["num_samples"] == 2 and trained["found"] >= 1, trained
     # the headline as the engines serve it, over the whole vocabulary; a token map's figure beside it
     assert report["draft_vocab_size"] is None
     assert report.get("token_map", {}).get("draft_vocab_size") == (512 if family in ("dspark", "dflash2") else None)

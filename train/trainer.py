@@ -404,13 +404,16 @@ def run_train(job: TrainJob) -> dict:
     input_dtype, autocast = numerics(recipe, dist)
     noise_std = train.feature_noise * input_scale(cache, max_records=64) if train.feature_noise > 0 else None
     bar = tqdm(total=train.max_steps, initial=start_step, desc="train", unit="step", disable=not dist.is_main)
+    states_where = ("the target's states computed per step (train.hidden_states online: its dtype, its weights)"
+                    if train.hidden_states == "online" else "the cache (cache/, its hidden states)")
     for step in range(start_step, train.max_steps):
         t0 = time.perf_counter()
         # --- cut this rank's micro-batches of the global batch, and the global loss denominator
         records, seeds, micro = cut_batches(job, algo, step)
         weight_total, = dist.sum(sum(b["weight_sum"] for b in micro))
         if weight_total <= 0:
-            raise RuntimeError(f"step {step}: no supervised prediction in the global batch; check the cache's loss masks")
+            raise RuntimeError(f"step {step}: no supervised prediction in the global batch; check the records' loss "
+                               f"masks ({states_where})")
         # --- forward/backward every micro-batch, then one optimizer step
         totals, grad_norm, lr = {}, None, lr_at(step, recipe)
         hidden_s = 0.0  # reading (cache) or computing (online) the hidden states
@@ -430,7 +433,7 @@ def run_train(job: TrainJob) -> dict:
             if dist.max(0.0 if torch.isfinite(loss.detach()) else 1.0) > 0:
                 raise FloatingPointError(
                     f"non-finite loss at step {step} (micro-batch {i}): stopping; the last good checkpoint is "
-                    f"{latest_checkpoint(ckpt_root) or 'none yet'}. Lower train.lr or check the cache.")
+                    f"{latest_checkpoint(ckpt_root) or 'none yet'}. Lower train.lr or check {states_where}.")
             with engine.sync_context(last_micro):
                 engine.backward(loss)
             norm = engine.step(lr, last_micro)

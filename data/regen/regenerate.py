@@ -34,11 +34,13 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from data.chat import build_messages, render_prompt_ids
-from data.sources.prompts import load_prompts
+from data.sources.prompts import (DEFAULT_HOLDOUT_FRACTION, eval_prompts, load_prompts, local_source, split_trained,
+                                  trained_keys)
+from data.sources.registry import resolve_source
 from data.regen.backends import Answer, OpenAIBackend, SourceBackend, open_backend, too_long_by_characters
 from data.sources.rows import Prompt
 from core import stage
-from core.io import atomic_open, atomic_write_json
+from core.io import DamagedFileError, atomic_open, atomic_write_json
 from core.dist import Dist, fault_point
 from core.recipe import Recipe
 from modeling.target import chat_template_pin
@@ -156,18 +158,52 @@ class RegenJob:
     tokenizer: object
 
 
+class SourcesError(ValueError):
+    """data.sources cannot give the run its prompts: fewer than asked (data.allow_fewer false), none, or every one
+    failed (each too long, say). The recipe's to mend, not a bug: an `error:` line, not a traceback."""
+
+
+def _hub_prompts_against_eval_set(recipe, prompts: list[Prompt], dist: Dist) -> None:
+    """The sources only this stage reads (the hub's) held against the recipe's eval set by what its prompts say, as
+    check_inputs held the local ones: all of them training prompts is refused now, not after training; some are
+    said, and the eval stage leaves them out."""
+    d, e = recipe.data, recipe.eval
+    if e.allow_training_prompts or all(local_source(resolve_source(s.name, s.path)) for s in d.sources):
+        return
+    try:
+        held = eval_prompts(e.dataset, e.num_samples, recipe.seed,
+                            holdout_fraction=d.holdout_fraction or DEFAULT_HOLDOUT_FRACTION)
+    except (ValueError, OSError):
+        return  # the eval stage names what is wrong with it
+    _, trained = split_trained(held, trained_keys(prompts, d.max_turns))
+    if trained and len(trained) == len(held):
+        raise SourcesError(f"eval.dataset {e.dataset}: all {len(held)} eval prompts are among the prompts "
+                           f"data.sources gave (by what they say); evaluate on other prompts, or set "
+                           f"eval.allow_training_prompts=true to measure how the drafter fits them")
+    if trained:
+        dist.print(f"[regenerate] {len(trained)} of eval.dataset's {len(held)} prompts are training prompts (by what "
+                   f"they say): the eval stage leaves them out")
+
+
 def run_regenerate(job: RegenJob) -> dict:
     """The `regenerate` stage. Returns the stats in DONE.json."""
     recipe, out_dir, dist, get_model, tokenizer = job.recipe, Path(job.out_dir), job.dist, job.get_target, job.tokenizer
     if stage.is_done(out_dir):  # skipped without reading its prompts: the digest it pinned stands for them
         prompts, digest = None, stage.pinned(out_dir).get(PROMPTS_KEY)
     else:  # before the folder is pinned: a recipe its sources cannot fill is refused here
-        prompts = load_prompts(recipe.data.sources, recipe.data.num_prompts, recipe.data.holdout_fraction,
-                               recipe.seed, allow_fewer=recipe.data.allow_fewer)
+        try:
+            prompts = load_prompts(recipe.data.sources, recipe.data.num_prompts, recipe.data.holdout_fraction,
+                                   recipe.seed, allow_fewer=recipe.data.allow_fewer)
+        except DamagedFileError:
+            raise  # names its file: the pipeline's error line as it is
+        except ValueError as exc:
+            raise SourcesError(f"data.sources: {exc}") from None
         if not prompts:
-            raise ValueError(f"no prompt was loaded from data.sources {_source_names(recipe)}: they hold no row with "
-                             f"a non-empty user turn outside the held-out split (data.holdout_fraction="
-                             f"{recipe.data.holdout_fraction}). Point data.sources at files with prompts")
+            raise SourcesError(
+                f"no prompt was loaded from data.sources {_source_names(recipe)}: they hold no row with a non-empty "
+                f"user turn outside the held-out split (data.holdout_fraction={recipe.data.holdout_fraction}). Point "
+                f"data.sources at files with prompts")
+        _hub_prompts_against_eval_set(recipe, prompts, dist)
         digest = prompts_digest(prompts)
     done = stage.start(out_dir, regen_settings(recipe, digest), "regenerate", dist.is_main,
                        notes={PROMPTS_KEY: _PROMPTS_CHANGED})
@@ -219,9 +255,10 @@ def run_regenerate(job: RegenJob) -> dict:
     dist.wait()  # rank 0 merged every chunk meanwhile
     if not stage.is_done(out_dir):
         first = json.loads((out_dir / "errors.jsonl").read_text().partition("\n")[0])
-        raise ValueError(f"no conversation was regenerated from data.sources {_source_names(recipe)}: all "
-                         f"{len(prompts)} prompts failed (the first, {first['id']}: {first['reason']}); every reason "
-                         f"is in {out_dir / 'errors.jsonl'}. Fix the sources or the recipe, and run into a new --out")
+        raise SourcesError(
+            f"no conversation was regenerated from data.sources {_source_names(recipe)}: all {len(prompts)} prompts "
+            f"failed (the first, {first['id']}: {first['reason']}); every reason is in {out_dir / 'errors.jsonl'}. "
+            f"Fix the sources or the recipe, and run into a new --out")
     return stage.read_done(out_dir)
 
 

