@@ -51,9 +51,12 @@ class Scaled(torch.nn.Module):
 
 def accumulated_gradient_error(with_fp32_sum: bool) -> float:
     """Relative error of the gradient DeepSpeed holds after 64 bf16 micro-batches, against their fp32 sum. Run in a
-    process of its own (this file as a script): DeepSpeed keeps its process groups for the process's life."""
+    process of its own (this file as a script): DeepSpeed keeps its process groups for the process's life. Without
+    the rendezvous variables an earlier test in this worker left (its group still holds that MASTER_PORT)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK",
+                                                             "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     done = subprocess.run([sys.executable, __file__, "fp32" if with_fp32_sum else "model-dtype"], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          text=True, timeout=600, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])["relative_error"]
 
