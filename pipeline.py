@@ -270,6 +270,7 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
     import torch
 
+    from eval.preflight import preflight_problems
     from modeling.target import chat_template_problem, target_path_problem, target_shape
     from train.checkpoint import rank_count_problem
 
@@ -334,7 +335,7 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     runs = [("train", out / "train")] + [("opd", run) for run in sorted((out / "opd").glob("round-*"))]
     problems += [f"--stages {name}: {why}" for name, run in runs if recipe.train.zero_stage and name in stages
                  and not stage.is_done(run) and (why := rank_count_problem(run / "checkpoints", world_size))]
-    return problems
+    return problems or preflight_problems(recipe, stages, out)  # last: it loads and runs the target
 
 
 def export_problem(recipe, architecture: str | None) -> list[str]:

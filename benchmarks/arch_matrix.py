@@ -3,7 +3,7 @@
 each export read by both engines' own code beside that target's config. Prints the table: architecture x stage x
 engine, each cell `pass`, `refused` (with the reason, numbered below the table) or `FAIL`.
 
-    python benchmarks/arch_matrix.py --out runs/arch-matrix                        # ~12 min on 2 CPU cores
+    python benchmarks/arch_matrix.py --out runs/arch-matrix                        # ~25 min on 2 CPU cores
     python benchmarks/arch_matrix.py --out runs/arch-matrix --arch gemma3,qwen3-next
 
 Per architecture (hidden 64, 4 decoder layers; the drafters read layers 0-2, the engines cannot capture the last):
@@ -283,6 +283,8 @@ def vllm_read(job: dict) -> dict:
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     target = ModelConfig(model=job["target"], tokenizer=job["target"], max_model_len=256)
+    if not any(ModelRegistry._try_load_model_cls(a) for a in target.architectures):  # no class: it captures nothing
+        return {"class": None, "captures": False, "error": None}
     cls, _ = ModelRegistry.resolve_model_cls(target.architectures, model_config=target)
     result = {"class": cls.__name__, "captures": supports_eagle3(cls), "error": None}
     if job["export"] is None:

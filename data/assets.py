@@ -251,6 +251,8 @@ def _tiny_configs(hidden: int, layers: int, heads: int = 4, kv_heads: int = 2, h
            "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
            "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": hidden // 2, "n_group": 1,
            "topk_group": 1, "first_k_dense_replace": 1}
+    lightning = [("linear_attention" if i % 2 == 0 else "full_attention") for i in range(layers)]  # MiniMax's
+    convolutions = [("full_attention" if i % 3 == 2 else "conv") for i in range(layers)]  # LFM2's short convolutions
     linear = {"shared_expert_intermediate_size": hidden // 2, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
               "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
     return {
@@ -269,6 +271,29 @@ def _tiny_configs(hidden: int, layers: int, heads: int = 4, kv_heads: int = 2, h
         "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**mla, "tie_word_embeddings": False}),
         "qwen3-next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", {**attn, **moe, **linear, "layer_types": hybrid,
                                                                    "tie_word_embeddings": False}),
+        # Round 2 (issue 57): what Llama-shaped targets lack. LayerNorm with biases, its epsilon under its own key:
+        "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {**attn, "use_bias": True, "norm_epsilon": 1e-4,
+                                                                     "tie_word_embeddings": True}),
+        # attention and MLP in parallel off one LayerNorm, a quarter of each head rotated:
+        "phi": ("PhiConfig", "PhiForCausalLM", {**attn, "num_key_value_heads": heads, "partial_rotary_factor": 0.5,
+                                                "tie_word_embeddings": False}),
+        # the stack at .gpt_neox.layers, parallel residual, LayerNorm:
+        "gpt-neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {**attn, "num_key_value_heads": heads,
+                                                             "partial_rotary_factor": 0.25,
+                                                             "use_parallel_residual": True,
+                                                             "tie_word_embeddings": False}),
+        # the stack at .transformer.h, Conv1D projections, learned positions, no rope:
+        "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": hidden, "n_head": heads, "n_inner": 2 * hidden,
+                                                   "n_positions": 4096, "tie_word_embeddings": True}),
+        # lightning (linear) attention in a cache class of its own:
+        "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", {**attn, **mixtral_moe, "layer_types": lightning,
+                                                            "tie_word_embeddings": False}),
+        # short convolutions between attention layers:
+        "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {**attn, "layer_types": convolutions, "tie_word_embeddings": True}),
+        # post-norm: each sublayer's output normalised before the residual add, q/k norms:
+        "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {**attn, "tie_word_embeddings": False}),
+        # parallel residual, LayerNorm without bias, logits scaled after the head:
+        "cohere": ("CohereConfig", "CohereForCausalLM", {**attn, "logit_scale": 0.25, "tie_word_embeddings": True}),
     }
 
 

@@ -82,9 +82,18 @@ SPS_KEYS = ("sample_batch_tokens", "sample_steps_per_sec", "max_batch_tokens")  
 # is served, or not known here.
 UNSERVED_TARGETS = {
     "sglang": {"MixtralForCausalLM": SERVING_ALGORITHMS, "Qwen2ForCausalLM": ("dflash", "dspark", "dflash2"),
-               "Gemma3ForCausalLM": ("dflash", "dspark", "dflash2")},
-    "vllm": {"MixtralForCausalLM": SERVING_ALGORITHMS, "Gemma3ForCausalLM": SERVING_ALGORITHMS},
+               "Gemma3ForCausalLM": ("dflash", "dspark", "dflash2"),
+               **{arch: SERVING_ALGORITHMS for arch in ("Starcoder2ForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM",
+                                                         "GPT2LMHeadModel", "MiniMaxForCausalLM", "Olmo2ForCausalLM",
+                                                         "CohereForCausalLM")},
+               "Lfm2ForCausalLM": ("eagle3",)},
+    "vllm": {"MixtralForCausalLM": SERVING_ALGORITHMS, "Gemma3ForCausalLM": SERVING_ALGORITHMS,
+             **{arch: SERVING_ALGORITHMS for arch in ("GPT2LMHeadModel", "MiniMaxForCausalLM", "Lfm2ForCausalLM",
+                                                       "CohereForCausalLM")}},
 }
+# Targets an engine has no model class for at all (not a missing capture): vLLM 0.32 has MiniMax-Text-01's under
+# another architecture name only.
+ABSENT_TARGETS = {"sglang": (), "vllm": ("MiniMaxForCausalLM",)}
 _HIDDEN_STATES_HOOK = {("sglang", "eagle3"): "no set_eagle3_layers_to_capture",
                        ("sglang", "dflash"): "no set_dflash_layers_to_capture",
                        ("sglang", "dflash2"): "no set_dflash_layers_to_capture",
@@ -107,6 +116,9 @@ def unserved_target(engine: str, algorithm: str, architecture: str | None) -> st
     instead = (f"serve it with {ENGINE_NAMES[engines[0]]} (--to {engines[0]})" if engines else
                f"no engine here serves it; {' and '.join(a.upper() for a in families)} drafts are served beside it"
                if families else "no engine here serves any drafter beside it")
+    if architecture in ABSENT_TARGETS[engine]:
+        return (f"{ENGINE_NAMES[engine]} cannot serve the {algorithm.upper()} draft beside a {architecture} target: "
+                f"its model registry has no class for {architecture} (the server would not load the target); {instead}")
     return (f"{ENGINE_NAMES[engine]} cannot serve the {algorithm.upper()} draft beside a {architecture} target: its "
             f"{architecture} class has {_HIDDEN_STATES_HOOK[engine, algorithm]}, through which the engine hands a "
             f"drafter the target's hidden states (the server would refuse to start); {instead}")

@@ -23,7 +23,7 @@ Block layouts (`config.sample_from_anchor`)
     Markov previous token prev_k = input_ids[a+k-1] (k=1: the anchor). `block_targets` builds exactly these.
 
 How it is used (training)
-    config = build_dspark_config(target.config, num_layers=5, block_size=7, target_layer_ids=[1, 9, 17, 25, 33],
+    config = build_dspark_config(target, num_layers=5, block_size=7, target_layer_ids=[1, 9, 17, 25, 33],
                                  mask_token_id=151669, markov_rank=256, markov_head_type="vanilla",
                                  enable_confidence_head=True, sample_from_anchor=True)
     draft = DSparkModel.from_target(config, target)                       # frozen embed/lm_head copies
@@ -56,6 +56,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from modeling.cpu_linear import fast_linear
 from modeling.selector import CandidateSelector
+from modeling.anatomy import draft_dims, text_config
 from modeling.target import COPIED_PROJECTIONS, copied_layer, decoder_layers, draft_rope, init_fc_and_norm
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -66,7 +67,7 @@ INIT_STD = 0.02
 
 
 def build_dspark_config(
-    target_config,
+    target,
     *,
     num_layers: int,
     block_size: int,
@@ -79,34 +80,35 @@ def build_dspark_config(
     selector_rank: int = 0,
     selector_top_k: int = 16,
 ) -> Qwen3Config:
-    """A Qwen3Config for the draft: dims from the target (Llama/SmolLM2 or Qwen3), DSpark keys at top level.
+    """A Qwen3Config for the draft: dims from the target (a loaded model, or its config: modeling/anatomy.draft_dims),
+    DSpark keys at top level.
 
     `block_size` is gamma, the number of tokens proposed per round (SGLang DSPARK's meaning, whatever the layout).
     `target_layer_ids` are HF layer-output ids (0-based decoder layer outputs; serving engines add +1 internally).
     """
-    src = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    num_target_layers = src.num_hidden_layers
+    src = text_config(target.config if isinstance(target, torch.nn.Module) else target)
+    dims = draft_dims(target)
+    num_target_layers = dims["num_hidden_layers"]
     if num_layers < 1 or block_size < 1:
         raise ValueError(f"num_layers ({num_layers}) and block_size ({block_size}) must be >= 1")
     ids = [int(i) for i in target_layer_ids]
     if not ids or any(not 0 <= i < num_target_layers for i in ids):
         raise ValueError(f"target_layer_ids {ids} must be non-empty HF layer-output ids in 0..{num_target_layers - 1}")
-    if not 0 <= mask_token_id < src.vocab_size:
-        raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary (size {src.vocab_size})")
+    if not 0 <= mask_token_id < dims["vocab_size"]:
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the target vocabulary (size {dims['vocab_size']})")
     if markov_rank < 0 or markov_head_type not in MARKOV_HEAD_TYPES:
         raise ValueError(f"markov_rank must be >= 0 and markov_head_type one of {MARKOV_HEAD_TYPES}")
-    heads = src.num_attention_heads
     config = Qwen3Config(
-        vocab_size=src.vocab_size,
-        hidden_size=src.hidden_size,
-        intermediate_size=src.intermediate_size,
+        vocab_size=dims["vocab_size"],
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
         num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(src, "num_key_value_heads", None) or heads,
-        head_dim=getattr(src, "head_dim", None) or src.hidden_size // heads,
-        hidden_act=getattr(src, "hidden_act", "silu"),
-        max_position_embeddings=src.max_position_embeddings,
-        rms_norm_eps=src.rms_norm_eps,
+        num_attention_heads=dims["num_attention_heads"],
+        num_key_value_heads=dims["num_key_value_heads"],
+        head_dim=dims["head_dim"],
+        hidden_act="silu",  # the drafter's own MLP, whatever the target's: the engines' draft classes run silu only
+        max_position_embeddings=dims["max_position_embeddings"],
+        rms_norm_eps=dims["norm_eps"],
         rope_parameters=draft_rope(src),
         attention_bias=False,
         attention_dropout=0.0,

@@ -9,7 +9,7 @@ What it is
     minus `embed_tokens` (SGLang takes the target's embedding).
 
 How it is used
-    config = build_eagle3_config(target.config, draft_vocab_size=32000, aux_layer_ids=[1, 15, 27])
+    config = build_eagle3_config(target, draft_vocab_size=32000, aux_layer_ids=[1, 15, 27])
     counts = count_tokens(((ids, mask) for ids, mask in dataset), config.vocab_size)       # modeling/vocab.py
     d2t, t2d = build_vocab_mapping(counts, config.draft_vocab_size)
     draft = Eagle3Model.from_target(config, target, d2t, t2d)
@@ -46,6 +46,7 @@ from transformers.models.llama.modeling_llama import (
     repeat_kv,
 )
 
+from modeling.anatomy import draft_dims, text_config
 from modeling.target import COPIED_PROJECTIONS, copied_layer, decoder_layers, draft_rope, init_fc_and_norm
 from modeling.vocab import mapping_agrees
 
@@ -54,47 +55,47 @@ from modeling.vocab import mapping_agrees
 
 
 def build_eagle3_config(
-    target_config, *, num_layers: int = 1, draft_vocab_size: int, aux_layer_ids: list[int], ttt_length: int = 7
+    target, *, num_layers: int = 1, draft_vocab_size: int, aux_layer_ids: list[int], ttt_length: int = 7
 ) -> LlamaConfig:
     """A `LlamaConfig` for the draft, dims copied from the target (Llama/SmolLM2 or Qwen3), plus SGLang's EAGLE3 keys.
 
     `aux_layer_ids` are HF layer-output ids (SGLang's config convention; SGLang adds +1 internally because it captures
     the input of the next layer).
     """
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    num_target_layers = text.num_hidden_layers
+    text = text_config(target.config if isinstance(target, torch.nn.Module) else target)
+    dims = draft_dims(target)  # a loaded target or its config (modeling/anatomy.py)
+    num_target_layers = dims["num_hidden_layers"]
     if num_layers < 1:
         raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     if ttt_length < 1:
         raise ValueError(f"ttt_length must be >= 1, got {ttt_length}")
-    if not 0 < draft_vocab_size <= text.vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{text.vocab_size} (the target vocab)")
+    if not 0 < draft_vocab_size <= dims["vocab_size"]:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{dims['vocab_size']} (the target vocab)")
     aux_layer_ids = [int(i) for i in aux_layer_ids]
     bad = [i for i in aux_layer_ids if not 0 <= i < num_target_layers]
     if not aux_layer_ids or bad:
         raise ValueError(
             f"aux_layer_ids {aux_layer_ids}: need at least one id in 0..{num_target_layers - 1} (HF layer-output ids)"
         )
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return LlamaConfig(
         architectures=["LlamaForCausalLMEagle3"],
-        hidden_size=text.hidden_size,
-        intermediate_size=text.intermediate_size,
+        hidden_size=dims["hidden_size"],
+        intermediate_size=dims["intermediate_size"],
         num_hidden_layers=num_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-        head_dim=head_dim,
-        hidden_act=getattr(text, "hidden_act", "silu"),
-        rms_norm_eps=text.rms_norm_eps,
+        num_attention_heads=dims["num_attention_heads"],
+        num_key_value_heads=dims["num_key_value_heads"],
+        head_dim=dims["head_dim"],
+        hidden_act="silu",  # the drafter's own MLP, whatever the target's: the engines' draft classes run silu only
+        rms_norm_eps=dims["norm_eps"],
         rope_parameters=draft_rope(text),  # yarn/llama3 scaling carries over
-        vocab_size=text.vocab_size,
-        max_position_embeddings=text.max_position_embeddings,
+        vocab_size=dims["vocab_size"],
+        max_position_embeddings=dims["max_position_embeddings"],
         # SGLang's EAGLE3 head is a plain Llama layer: no q/k norm (Qwen3) and no biases, whatever the target has.
         attention_bias=False,
         mlp_bias=False,
         tie_word_embeddings=False,
         draft_vocab_size=draft_vocab_size,
-        target_hidden_size=text.hidden_size,
+        target_hidden_size=dims["hidden_size"],
         eagle_config={"eagle_aux_hidden_state_layer_ids": aux_layer_ids, "use_aux_hidden_state": True},
         ttt_length=ttt_length,
         num_target_layers=num_target_layers,  # lets the export refuse the last layer, which engines cannot capture

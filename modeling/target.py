@@ -26,6 +26,7 @@ import torch
 from core.hub import hub_unavailable
 from core.io import LinkedPathError, exclusive, link_problem, make_dir, publish_dir
 from modeling import cpu_linear
+from modeling.anatomy import AnatomyError, backbone, decoder_layers, draft_dims, final_norm, norm_scale
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -163,8 +164,9 @@ def load_target_parts(name_or_path: str, device: torch.device | str = "cpu", dty
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False)
     prefixes = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     embed_name = f"{prefixes[id(model.get_input_embeddings())]}.weight"
-    for module in (model.get_input_embeddings(), backbone(model).norm, model.get_output_embeddings(),
-                   *(decoder_layers(model)[len(decoder_layers(model)) - last_layers:] if last_layers else ())):
+    parts = (model.get_input_embeddings(), final_norm(model), model.get_output_embeddings(),
+             *(decoder_layers(model)[len(decoder_layers(model)) - last_layers:] if last_layers else ()))
+    for module in (part for part in parts if part is not None):  # a target without a final norm has none to load
         prefix = prefixes[id(module)]
         module.to_empty(device=device)
         for local, param in module.named_parameters():
@@ -245,8 +247,7 @@ def chat_template_pin(chat_template: str | None) -> dict:
 def target_hidden_size(name_or_path: str) -> int:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(resolve_target(name_or_path))
-    return getattr(config, "text_config", config).hidden_size
+    return draft_dims(AutoConfig.from_pretrained(resolve_target(name_or_path)))["hidden_size"]
 
 
 def draft_rope(text_config) -> dict:
@@ -286,9 +287,11 @@ def target_path_problem(name_or_path: str) -> str | None:
 
 def causal_lm_problem(folder: Path) -> str | None:
     """Why the model a folder's config.json describes is no target: an encoder-decoder (T5), a model transformers has
-    no causal LM class for, or one whose causal LM has no decoder stack `.model.layers` (BERT's LM head attends both
-    ways, its head newly initialised). Decided as the stages load it, on the meta device (no weights, under a second
-    at 8B): a run is refused before hours of regenerating, not at the cache stage. None when it is one."""
+    no causal LM class for, one whose causal LM has no decoder stack (modeling/anatomy.py finds it wherever the base
+    model keeps it), or one whose attention declares it looks both ways (is_causal False: BERT's LM head). Decided as
+    the stages load it, on the meta device (no weights, under a second at 8B): a run is refused before hours of
+    regenerating, not at the cache stage. None when it is one. What only running it shows (attention both ways without
+    saying so) eval/preflight.py finds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     where = folder / "config.json"
@@ -305,10 +308,12 @@ def causal_lm_problem(folder: Path) -> str | None:
     except (ValueError, KeyError):  # "Unrecognized configuration class ... for AutoModelForCausalLM"
         return f"{where} describes a {config.model_type} model, which has no causal LM in transformers: {supported}"
     try:
-        decoder_layers(model)  # where every stage finds the stack
-    except ValueError:
-        return (f"{where} describes a {config.model_type} model, loaded as {type(model).__name__}: no decoder stack "
-                f"(`.model.layers`; an encoder such as BERT attends both ways): {supported}")
+        layers = decoder_layers(model)  # where every stage finds the stack
+    except AnatomyError as exc:
+        return f"{where} describes a {config.model_type} model, loaded as {type(model).__name__}: {exc}: {supported}"
+    if any(getattr(module, "is_causal", True) is False for module in layers[0].modules()):
+        return (f"{where} describes a {config.model_type} model, loaded as {type(model).__name__}, whose attention "
+                f"attends both ways (is_causal False, as an encoder's): {supported}")
     return None
 
 
@@ -367,29 +372,6 @@ def _fingerprint_update(digest, name: str, tensor: torch.Tensor, samples_per_ten
     digest.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
 
 
-def backbone(model) -> torch.nn.Module:
-    """The decoder stack under a causal LM's head (`.model`), whose output is the final-norm state."""
-    return getattr(model, "model", model)
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    layers = getattr(backbone(model), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no `.model.layers`: only decoder-only HF models are supported")
-    return layers
-
-
-@torch.no_grad()
-def norm_scale(norm: torch.nn.Module) -> torch.Tensor:
-    """The per-channel factor a target's RMSNorm multiplies the normalised state by, read off the module itself: its
-    weight for Llama's and Qwen3's, 1 + weight for Gemma 3's and Qwen3-Next's (zero-centred weights). A constant input
-    of 1e4 normalises to ones (the eps beside its square is lost), so what comes out is the factor, up to rounding:
-    the weight itself where that is what it is (Llama's, bit for bit)."""
-    weight = norm.weight
-    scale = norm(torch.full(weight.shape, 1e4, dtype=weight.dtype, device=weight.device)).to(weight.dtype)
-    return weight if torch.allclose(scale, weight, rtol=1e-3, atol=1e-3) else scale
-
-
 #: What draft.init_layers=target copies from a target decoder layer into a drafter layer, by their common names.
 COPIED_PROJECTIONS = tuple(f"self_attn.{n}_proj" for n in "qkvo") + tuple(f"mlp.{n}_proj" for n in ("gate", "up", "down"))
 COPIED_NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -419,15 +401,16 @@ def init_fc_and_norm(fc: torch.nn.Linear, norm: torch.nn.Module, target_model, f
     """A drafter's context projection and output norm, started from the target (the drafters' shared init levers).
 
     fc_mode="last": fc is the identity on the last captured target layer and zero on the others.
-    norm_mode="target": the output norm starts as the target's final norm (what the frozen lm_head is used to)."""
+    norm_mode="target": the output norm starts as the target's final norm (what the frozen lm_head is used to): its
+    per-channel factor (a LayerNorm's weight; its centring and bias the drafter's RMSNorm does not have)."""
     hidden = fc.out_features
     if fc_mode == "last":
         fc.weight.zero_()
         fc.weight[:, -hidden:].copy_(torch.eye(hidden))
     elif fc_mode != "random":
         raise ValueError(f"init fc must be 'random' or 'last', got {fc_mode!r}")
-    if norm_mode == "target":
-        norm.weight.copy_(norm_scale(backbone(target_model).norm))
+    if norm_mode == "target" and getattr(final_norm(target_model), "weight", None) is not None:
+        norm.weight.copy_(norm_scale(final_norm(target_model)))  # none, or one without weights (OLMo's): the ones
     elif norm_mode != "ones":
         raise ValueError(f"init norm must be 'ones' or 'target', got {norm_mode!r}")
 
@@ -463,7 +446,7 @@ def hook_layer_outputs(model, layer_ids: list[int], captured: dict) -> list:
 
     def hook(index):
         def save(_module, _inputs, output):
-            captured[index] = output[0] if isinstance(output, tuple) else output
+            captured[index] = output[0] if isinstance(output, (tuple, list)) else output  # GPT-1's: a list
 
         return save
 
@@ -492,21 +475,27 @@ def capture_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.
 
 # The target as the speculative loop runs it: a KV cache rolled back after each verify
 
-def new_cache(model) -> DynamicCache:
+def new_cache(model) -> DynamicCache | None:
     """An empty cache laid out for the target's decoder layers, as generate builds it: full attention, sliding windows
     and linear attention's running states each get their own kind of layer (a bare DynamicCache() gives every layer
-    full attention's, which a linear-attention layer cannot write)."""
+    full attention's, which a linear-attention layer cannot write). None for a model that keeps a cache of its own
+    class (MiniMax's lightning attention, RWKV, xLSTM: transformers' `_supports_default_dynamic_cache` says so): its
+    first forward makes it."""
     from transformers import DynamicCache
 
+    supports = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports is not None and not supports():
+        return None
     return DynamicCache(config=model.config)
 
 
-def full_attention_only(cache: DynamicCache) -> bool:
+def full_attention_only(cache: DynamicCache | None) -> bool:
     """Whether every layer of `cache` keeps keys and values for the whole sequence: what can be left-padded, merged
-    and cut back to any length (a sliding window keeps its last tokens only, linear attention a running state)."""
+    and cut back to any length (a sliding window keeps its last tokens only, linear attention a running state; a
+    model's own cache class, None here, is opaque)."""
     from transformers.cache_utils import DynamicLayer
 
-    return all(type(layer) is DynamicLayer for layer in cache.layers)
+    return cache is not None and all(type(layer) is DynamicLayer for layer in cache.layers)
 
 
 def crop_cache(cache: DynamicCache, length: int) -> None:
@@ -524,7 +513,9 @@ class TargetRunner:
     `crop` rolls the cache back to any length within the last forward, whatever the target's layers keep: sliding
     windows record what they drop until the crop (transformers' past recording), and linear-attention layers (Qwen3-
     Next), whose running state cannot be cut back, are saved before each forward, restored, and the kept tokens run
-    again."""
+    again. A model with a cache class of its own (MiniMax; `new_cache` None) is rolled back the same way, its whole
+    cache saved (what it holds is not read here), and run a token a forward after the prompt. The length is counted
+    here, not asked of the cache (a cache of running states only, a Mamba stack's, has no length to give)."""
 
     def __init__(self, model, layer_ids=()):
         from transformers.cache_utils import LinearAttentionCacheLayerMixin
@@ -536,15 +527,17 @@ class TargetRunner:
         # head runs as vocab_logits, and only on the rows a caller reads.
         self.backbone, self.head = backbone(model), model.get_output_embeddings()
         self.cache = new_cache(model)
-        self.running = [i for i, layer in enumerate(self.cache.layers)
-                        if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        for i, layer in enumerate(self.cache.layers):
+        self.opaque = self.cache is None  # the model's own cache class, made by its first forward
+        layers = [] if self.opaque else self.cache.layers
+        self.running = [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        for i, layer in enumerate(layers):
             if i not in self.running and hasattr(layer, "activate_past_recording"):
                 layer.activate_past_recording()
-        self.saved: tuple[int, list[int], dict] | None = None  # (length, ids, running layers) before the last forward
+        self._length = 0
+        self.saved: tuple[int, list[int], object] | None = None  # (length, ids, saved state) before the last forward
         self.captured: dict[int, torch.Tensor] = {}
         self.handles = hook_layer_outputs(model, self.layer_ids, self.captured)
-        self.width = len(self.layer_ids) * model.config.get_text_config().hidden_size
+        self.width = len(self.layer_ids) * draft_dims(model)["hidden_size"]
 
     def close(self) -> None:
         for handle in self.handles:
@@ -558,7 +551,7 @@ class TargetRunner:
 
     @property
     def length(self) -> int:
-        return self.cache.get_seq_length()
+        return self._length
 
     def forward(self, ids: list[int], logits: str = "all") -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Run `ids` after the cached tokens: (logits [n, V] ("all"), [1, V] ("last") or None ("none"), hidden
@@ -569,34 +562,56 @@ class TargetRunner:
             return None, empty if self.layer_ids else None
         if self.running:  # small (a state per layer), whatever the context's length
             self.saved = (self.length, list(ids), {i: copy.deepcopy(self.cache.layers[i]) for i in self.running})
-        out = self.backbone(input_ids=torch.tensor([ids], device=self.device), past_key_values=self.cache,
-                            use_cache=True)
-        hidden = torch.cat([self.captured[i][0] for i in self.layer_ids], -1) if self.layer_ids else None
-        self.captured.clear()
+        elif self.opaque:
+            self.saved = (self.length, list(ids), copy.deepcopy(self.cache))
+        # A cache class of its own is run as the model's own generate runs it, one token a forward after the prompt:
+        # MiniMax's lightning attention gives other states for several tokens over a cache (measured: 3e-2 of the
+        # logits' range) than for the same tokens one by one (1e-4, rounding).
+        chunks = [[t] for t in ids] if self.opaque and self.length else [list(ids)]
+        finals, states = [], []
+        for chunk in chunks:
+            out = self.backbone(input_ids=torch.tensor([chunk], device=self.device), past_key_values=self.cache,
+                                use_cache=True)
+            if self.opaque:
+                self.cache = getattr(out, "past_key_values", None)
+                if self.cache is None:
+                    raise AnatomyError(f"{type(self.backbone).__name__} returns no past_key_values from a cached "
+                                       f"forward (its state is kept elsewhere): the speculative loop cannot run it")
+            finals.append(out.last_hidden_state[0])
+            if self.layer_ids:
+                states.append(torch.cat([self.captured[i][0] for i in self.layer_ids], -1))
+            self.captured.clear()
+        self._length += len(ids)
+        hidden = torch.cat(states) if self.layer_ids else None
         if logits == "none":
             return None, hidden
-        final = out.last_hidden_state[0, -1:] if logits == "last" else out.last_hidden_state[0]
+        final = finals[-1][-1:] if logits == "last" else torch.cat(finals)
         if self.head.bias is not None:
             return self.head(final), hidden
         return vocab_logits(final, self.head.weight), hidden
 
     def crop(self, length: int) -> None:
         remove = self.length - length
-        if not self.running:
+        if not self.running and not self.opaque:
             if self.length:  # crop(0) too: sliding windows drop what they recorded past the window
                 self.cache.crop(-max(remove, 0))
+            self._length -= max(remove, 0)
             return
         if remove <= 0:
             return
-        start, ids, running = self.saved or (0, [], {})
+        start, ids, saved = self.saved or (0, [], {})
         if length < start:
-            raise ValueError(f"cannot roll the target's linear-attention state back to {length} tokens: only to "
+            raise ValueError(f"cannot roll the target's running state back to {length} tokens: only to "
                              f"{start}..{self.length}, within the last forward")
-        back = self.length - start
-        for i, layer in enumerate(self.cache.layers):
-            if i in running:
-                self.cache.layers[i] = running[i]
-            else:
-                layer.crop(-back)
+        if self.opaque:
+            self.cache = saved
+        else:
+            back = self.length - start
+            for i, layer in enumerate(self.cache.layers):
+                if i in saved:
+                    self.cache.layers[i] = saved[i]
+                else:
+                    layer.crop(-back)
+        self._length = start
         self.forward(ids[: length - start], logits="none")  # the kept tokens again, from the restored state
         self.captured.clear()

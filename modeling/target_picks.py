@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from core.recipe import BLOCK_FAMILIES, overridden
+from modeling.anatomy import draft_dims
 from modeling.target import chat_template_problem, load_tokenizer, resolve_target
 
 #: block drafters capture DeepSpec's five target layers; Eagle3 three (low, middle, high), SGLang's convention.
@@ -129,8 +130,8 @@ def non_embedding_params(config) -> int:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (ValueError, KeyError, ImportError):  # an architecture transformers does not build: the dense estimate
-        text = getattr(config, "text_config", config)
-        return 12 * text.num_hidden_layers * text.hidden_size ** 2
+        dims = draft_dims(config)
+        return 12 * (dims["num_hidden_layers"] or 1) * dims["hidden_size"] ** 2
     embeddings = {id(p) for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
                   for p in m.parameters()}
     return sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
@@ -164,6 +165,7 @@ def pick_for_target(name_or_path: str, family: str, overrides: list[str], on_gpu
 
     config = AutoConfig.from_pretrained(resolve_target(name_or_path))
     text = getattr(config, "text_config", config)
+    dims = draft_dims(config)  # under whatever keys the config names them (GPT-2's n_layer, n_embd)
     picks = Picks()
 
     def free(key: str) -> bool:
@@ -193,7 +195,7 @@ def pick_for_target(name_or_path: str, family: str, overrides: list[str], on_gpu
         picks.refusals.append(f"{name_or_path}'s tokenizer has no chat template (a base model?): use its instruct "
                               f"model, or --set target.chat_template=FILE (a Jinja chat template file)")
     if free("target.layer_ids"):
-        ids, why = pick_layer_ids(text.num_hidden_layers, family)
+        ids, why = pick_layer_ids(dims["num_hidden_layers"], family)
         if ids is None:
             picks.refusals.append(f"target.layer_ids: {why}: --set target.layer_ids=[...] names the layers to read")
         else:
@@ -203,17 +205,17 @@ def pick_for_target(name_or_path: str, family: str, overrides: list[str], on_gpu
         picks.pick("target.dtype", *pick_dtype(None if checkpoint is None else str(checkpoint).removeprefix("torch."),
                                                on_gpu))
     if family in BLOCK_FAMILIES and free("draft.mask_token_id") and tokenizer.chat_template:
-        mask, why = pick_mask_token(tokenizer, text.vocab_size, _eos_ids(config, tokenizer))
+        mask, why = pick_mask_token(tokenizer, dims["vocab_size"], _eos_ids(config, tokenizer))
         if mask is None:
             picks.refusals.append(f"draft.mask_token_id: {why}: --set draft.mask_token_id=ID names an id of the "
-                                  f"target's vocabulary (0..{text.vocab_size - 1}) that no chat contains")
+                                  f"target's vocabulary (0..{dims['vocab_size'] - 1}) that no chat contains")
         else:
             picks.pick("draft.mask_token_id", mask, why)
-    picks.lines.append(f"draft width = {text.hidden_size}: the target's own (the draft reads its states and shares its "
+    picks.lines.append(f"draft width = {dims['hidden_size']}: the target's own (the draft reads its states and shares its "
                        f"embedding and lm_head)")
     params = non_embedding_params(config)
-    for key, (value, why) in pick_draft_size(params, text.num_hidden_layers, text.hidden_size, family,
-                                             text.vocab_size).items():
+    for key, (value, why) in pick_draft_size(params, dims["num_hidden_layers"], dims["hidden_size"], family,
+                                             dims["vocab_size"]).items():
         if free(f"draft.{key}"):
             picks.pick(f"draft.{key}", value, why)
     return picks

@@ -228,11 +228,12 @@ def vllm_python():
 # The longest files start first, longest first, each on the worker that is free; the short ones fill in at the end
 # (xdist's own order, most tests a file first, put test_overfit_gate.py's few long tests at the very end). A stable
 # sort: the order inside a file does not change. Rough minutes on 2 busy cores:
-# trainer 11, drills 10, overfit_gate 7, engine_states 5, target_picks 5, arch_matrix 4, online 3, the rest below 3.
+# trainer 11, drills 10, overfit_gate 7, engine_states 5, target_picks 5, arch_matrix 4, arch_targets 4 (18
+# architectures), online 3, the rest below 3.
 LONGEST_FILES = ("test_trainer.py", "test_drills.py", "test_overfit_gate.py", "test_engine_states.py",
-                 "test_target_picks.py", "test_arch_matrix.py", "test_online.py", "test_resume.py", "test_pipeline.py",
-                 "test_regenerate.py", "test_eval_report.py", "test_bad_inputs.py", "test_opd.py", "test_live.py",
-                 "test_stage_table.py", "test_export.py")
+                 "test_target_picks.py", "test_arch_matrix.py", "test_arch_targets.py", "test_online.py",
+                 "test_resume.py", "test_pipeline.py", "test_regenerate.py", "test_eval_report.py", "test_bad_inputs.py", "test_opd.py",
+                 "test_live.py", "test_stage_table.py", "test_export.py")
 # Files whose tests run the pipeline end to end, train, or start a serving engine (30 s to 6 min each on 2 cores):
 # marked `slow`, which `make test-fast` leaves out for the edit loop. `make test` runs everything.
 SLOW_FILES = ("test_overfit_gate.py", "test_trainer.py", "test_online.py", "test_drills.py", "test_pipeline.py",

@@ -4,9 +4,9 @@ export, and has SGLang's and vLLM's own code read each export beside that target
 refused up front where the engine's own code agrees it cannot serve it; the refusals are exactly those
 export/serving.py UNSERVED_TARGETS lists, so the table is checked against the wheels. The suite runs the three
 architectures whose attention differs most from Llama's (sliding windows with an engine refusing each way, linear
-attention, MLA), ~4 min on 2 CPU cores; `python benchmarks/arch_matrix.py` (11.5 min) measures all ten for the README's
-table, and DRAFTSMITH_FULL_MATRIX=1 runs all ten here. The quick half (lossless loop, rollback, regeneration, rope,
-refusals, for all ten) is tests/test_arch_targets.py.
+attention, MLA), ~4 min on 2 CPU cores; `python benchmarks/arch_matrix.py` measures all eighteen for the README's
+table, and DRAFTSMITH_FULL_MATRIX=1 runs them all here. The quick half (lossless loop, rollback, regeneration, rope,
+refusals, for every architecture) is tests/test_arch_targets.py; the pre-flight on round 2's is tests/test_preflight.py.
 """
 
 from __future__ import annotations

@@ -106,11 +106,12 @@ def test_speculative_output_is_the_targets_own_greedy_output(tiny, arch):
     assert accepted >= {0, 1, 2, 3}, accepted
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss", "qwen3-next", "deepseek-v3"])
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss", "qwen3-next", "deepseek-v3", "minimax", "lfm2"])
 def test_a_rolled_back_cache_gives_a_fresh_forwards_logits(tiny, arch):
     """Cut back mid-verify, past the sliding window (8) and through linear attention's running state, the cache
     gives the next token the logits of one forward over the kept tokens (8 layers: Qwen3-Next's has two full-attention
-    layers among its linear ones)."""
+    layers among its linear ones). MiniMax's cache is a class of its own (saved whole, run a token a forward), LFM2's
+    short convolutions keep their last tokens."""
     target = float64_target(tiny(arch, 8))
     with TargetRunner(target, LAYER_IDS) as runner:
         runner.forward(PROMPT[:-1])
@@ -121,8 +122,11 @@ def test_a_rolled_back_cache_gives_a_fresh_forwards_logits(tiny, arch):
         after, _ = runner.forward([9])
     with torch.no_grad():
         fresh = target(torch.tensor([PROMPT + [5, 6, 9]])).logits[0, -1]
-    # Qwen3-Next's torch fallbacks run its delta rule in float32, chunked otherwise from one forward than the other
-    torch.testing.assert_close(after[-1], fresh, rtol=1e-5, atol=1e-5)
+    # Qwen3-Next's torch fallbacks run its delta rule in float32, chunked otherwise from one forward than the other;
+    # MiniMax's lightning attention runs a prompt block by block and a decode token by token, which differ in
+    # transformers itself by ~1e-4 of the logits' range (float64 here: not rounding; its own generate runs as the loop)
+    assert after[-1].argmax() == fresh.argmax()
+    torch.testing.assert_close(after[-1], fresh, rtol=1e-5, atol=1e-2 if arch == "minimax" else 1e-5)
 
 
 @pytest.mark.parametrize("arch", list(TINY_ARCHITECTURES))

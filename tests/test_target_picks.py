@@ -209,7 +209,7 @@ def not_causal(tmp_path_factory):
     (llama / "config.json").write_text(json.dumps({**config, "dtype": "float7"}))
     for name in ("bert", "t5"):
         tokenizer.save_pretrained(root / name)
-    return {"bert": (root / "bert", "no decoder stack"), "t5": (root / "t5", "describes an encoder-decoder model"),
+    return {"bert": (root / "bert", "attends both ways"), "t5": (root / "t5", "describes an encoder-decoder model"),
             "float7": (llama, "cannot be read as a model config (module 'torch' has no attribute 'float7')")}
 
 

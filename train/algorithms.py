@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from modeling.anatomy import draft_dims
 from modeling.dspark import (DSparkDecoderLayer, DSparkModel, block_targets, build_dspark_config,
                             sample_anchor_positions)
 from data.states.capture import read_loss_token_counts
@@ -141,6 +142,12 @@ class _TrainModule(torch.nn.Module):
         return False
 
 
+def token_counts(cache, vocab: int) -> torch.Tensor:
+    """The cache's supervised-token counts, or every token once without one (modeling/preflight.py builds the draft
+    before any data exists)."""
+    return read_loss_token_counts(cache, vocab) if cache is not None else torch.ones(vocab, dtype=torch.int64)
+
+
 def _init_draft(draft, recipe, target, cache) -> None:
     """The recipe's starts (draft.init_*): from the target's layers and norm, and fc's columns scaled to the data."""
     d = recipe.draft
@@ -150,10 +157,10 @@ def _init_draft(draft, recipe, target, cache) -> None:
     kwargs = {"markov": d.markov_init} if isinstance(draft, DSparkModel) else {}
     draft.init_from_target(target, layers=d.init_layers, fc="last" if d.init_fc == "last" else "random",
                            norm=d.init_norm, **kwargs)
-    if d.init_fc == "normalized":
+    if d.init_fc == "normalized" and cache is not None:  # None: the pre-flight's draft, before any states exist
         with torch.no_grad():
             draft.fc.weight.div_(input_scale(cache)[None, :].to(draft.fc.weight))
-    if d.init_copy != "none":
+    if d.init_copy != "none" and cache is not None:
         init_copy_attention(draft, cache, follows=d.copy_follows)
     if d.init_copy == "frozen":
         freeze_copy_attention(draft)
@@ -204,7 +211,7 @@ class BlockAlgorithm:
         d = recipe.draft
         mask_id = d.mask_token_id if d.mask_token_id is not None else DEFAULT_MASK_TOKEN_ID
         config = build_dspark_config(
-            target.config, num_layers=d.num_layers, block_size=d.block_size,
+            target, num_layers=d.num_layers, block_size=d.block_size,
             target_layer_ids=list(recipe.target.layer_ids), mask_token_id=mask_id, markov_rank=d.markov_rank,
             markov_head_type=d.markov_head_type, enable_confidence_head=d.enable_confidence_head,
             sample_from_anchor=d.sample_from_anchor, selector_rank=d.selector_rank, selector_top_k=d.selector_top_k)
@@ -212,8 +219,8 @@ class BlockAlgorithm:
         _init_draft(draft, recipe, target, cache)
         t2d = None
         if recipe.loss.vocab_size is not None:
-            vocab = target.config.vocab_size
-            _, t2d = build_vocab_mapping(read_loss_token_counts(cache, vocab), min(recipe.loss.vocab_size, vocab))
+            vocab = draft_dims(target)["vocab_size"]
+            _, t2d = build_vocab_mapping(token_counts(cache, vocab), min(recipe.loss.vocab_size, vocab))
             if draft.markov_head is not None:
                 # Rows outside the loss vocabulary get no gradient: zero, their Markov bias is none rather than noise
                 # where the drafter drafts over the whole vocabulary (the serving engines, eval.py --full-vocab).
@@ -295,16 +302,16 @@ class Eagle3Algorithm:
     @staticmethod
     def build(recipe, target, cache) -> Eagle3TrainModule:
         d = recipe.draft
-        vocab = target.config.vocab_size
-        counts = read_loss_token_counts(cache, vocab)
+        vocab = draft_dims(target)["vocab_size"]
+        counts = token_counts(cache, vocab)
         draft_vocab = min(d.draft_vocab_size or vocab, vocab)
         d2t, t2d = build_vocab_mapping(counts, draft_vocab)
-        config = build_eagle3_config(target.config, num_layers=d.num_layers, draft_vocab_size=draft_vocab,
+        config = build_eagle3_config(target, num_layers=d.num_layers, draft_vocab_size=draft_vocab,
                                      aux_layer_ids=list(recipe.target.layer_ids), ttt_length=d.ttt_length)
         draft = Eagle3Model.from_target(config, target, d2t, t2d)
         _init_draft(draft, recipe, target, cache)
         draft = draft.float()
-        head = torch.nn.Linear(target.config.hidden_size, vocab, bias=False)
+        head = torch.nn.Linear(draft_dims(target)["hidden_size"], vocab, bias=False)
         head.weight.data.copy_(target.get_output_embeddings().weight.detach().float())
         return Eagle3TrainModule(draft, head, recipe)
 

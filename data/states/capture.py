@@ -25,7 +25,8 @@ from data.states.cache_writer import CacheWriter
 from data.chat import tokenize_conversation, tokenizer_fingerprint
 from data.regen.regenerate import RECORDS_NAME, iter_records
 from data.states.engine import EngineStates, EngineStatesError
-from modeling.target import (backbone, capture_hidden_states, check_layer_ids, decoder_layers, target_hidden_size,
+from modeling.anatomy import final_norm
+from modeling.target import (capture_hidden_states, check_layer_ids, decoder_layers, target_hidden_size,
                              weights_fingerprint)
 from modeling.vocab import count_tokens
 from core import stage
@@ -273,7 +274,7 @@ def _capturer(recipe, model, dist: Dist, out_dir: Path, needed: bool, info: dict
     if not needed:  # this rank has no shard left: no server started
         yield None, 1
         return
-    engine = EngineStates(recipe, dist, out_dir, backbone(model).norm, len(decoder_layers(model)))
+    engine = EngineStates(recipe, dist, out_dir, final_norm(model), len(decoder_layers(model)))
     if engine.server is not None:
         info["server_startup_s"] = round(engine.server.startup_s, 2)
     try:

@@ -224,7 +224,7 @@ class EngineStates:
             states = in_flight.popleft().result()
             fill()
             with torch.no_grad():
-                last = self.norm(states[:, self.last_column].to(self.norm.weight.dtype))
+                last = self.norm(states[:, self.last_column].to(next(self.norm.parameters(), states).dtype))
             yield states[:, self.columns].reshape(states.shape[0], -1).to(dtype), last.to(dtype)
 
     def _one(self, ids: list[int], url: str, row: str = "") -> torch.Tensor:

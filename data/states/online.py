@@ -28,7 +28,8 @@ from data.states.cache import as_stored
 from data.states.capture import (TARGET_WEIGHTS_META, TOKEN_COUNTS_KEY, cache_spec, capture_rows, loss_token_counts,
                           regen_digest, training_rows)
 from data.states.engine import ONLINE_GPU_SHARE, EngineStates
-from modeling.target import backbone, decoder_layers, target_hidden_size, weights_fingerprint
+from modeling.anatomy import final_norm
+from modeling.target import decoder_layers, target_hidden_size, weights_fingerprint
 
 
 class OnlineRecords:
@@ -98,7 +99,7 @@ class OnlineRecords:
         return self.engine.capture
 
     def _start_engine(self, model) -> None:
-        self.engine = EngineStates(self.recipe, self.dist, self.log_dir, backbone(model).norm,
+        self.engine = EngineStates(self.recipe, self.dist, self.log_dir, final_norm(model),
                                    len(decoder_layers(model)), gpu_share=ONLINE_GPU_SHARE)
 
     def close(self) -> None:
