@@ -219,8 +219,7 @@ def missing_inputs(recipe, stages: list[str], out: Path) -> list[str]:
     existing = next(folder for folder in (out, *out.parents) if folder.exists())  # what mkdir would meet
     if not existing.is_dir():
         return [f"--out {out}: {existing} is a file, not a folder: give a folder (it is created when missing)"]
-    online = recipe.train.hidden_states == "online"
-    opd = recipe.opd.rounds > 0
+    online, opd = recipe.train.hidden_states == "online", recipe.opd.rounds > 0
     # input: (its folder, whether it is there, the stage that makes it)
     inputs = {"regen": (out / "regen", stage.is_done(out / "regen"), "regenerate"),
               "cache": (out / "cache", online or stage.is_done(out / "cache"), "cache"),
@@ -270,7 +269,6 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     after training): checked before anything is written or loaded. Returns the problems, each naming its key."""
     import torch
 
-    from eval.preflight import preflight_problems
     from modeling.target import chat_template_problem, target_path_problem, target_shape
     from train.checkpoint import rank_count_problem
 
@@ -335,7 +333,10 @@ def check_inputs(recipe, stages: list[str], out: Path, world_size: int) -> list[
     runs = [("train", out / "train")] + [("opd", run) for run in sorted((out / "opd").glob("round-*"))]
     problems += [f"--stages {name}: {why}" for name, run in runs if recipe.train.zero_stage and name in stages
                  and not stage.is_done(run) and (why := rank_count_problem(run / "checkpoints", world_size))]
-    return problems or preflight_problems(recipe, stages, out)  # last: it loads and runs the target
+    if problems:
+        return problems
+    from eval.preflight import preflight_problems  # only now (~3 s of imports): last, it runs the target
+    return preflight_problems(recipe, stages, out)
 
 
 def export_problem(recipe, architecture: str | None) -> list[str]:
