@@ -104,6 +104,7 @@ def _greedy(model, ids: list[int], count: int) -> tuple[list[int], list[bool]]:
     return out[len(ids):], ties
 
 
+@torch.no_grad()  # nothing here trains: no graph kept beside a large target
 def check_target(model, recipe) -> Preflight:
     """Every target-dependent step of a run of `recipe` on the loaded target `model`; PreflightError at the first that
     fails. Returns what passed, and notes on what passes but limits a later step."""
