@@ -39,6 +39,7 @@ PROMPT_TOKENS = 12
 NEW_TOKENS = 4
 #: the stages that run the target, or a draft built beside it
 TARGET_STAGES = ("regenerate", "cache", "train", "opd", "eval")
+HALF_TOLERANCE = 3e-2  # of the largest value: what bf16/fp16 sums in another order may move
 _PASSED: dict[tuple, "Preflight"] = {}  # this process's passes: a run of several stages, or a test, checks once
 
 
@@ -80,7 +81,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     orders)."""
     loose = a.dtype in (torch.bfloat16, torch.float16)
     scale = float(b.float().abs().amax()) or 1.0
-    return bool(((a.float() - b.float()).abs().amax() <= (3e-2 if loose else 1e-3) * scale))
+    return bool(((a.float() - b.float()).abs().amax() <= (HALF_TOLERANCE if loose else 1e-3) * scale))
 
 
 def _near_ties(rows: torch.Tensor) -> torch.Tensor:
@@ -89,7 +90,7 @@ def _near_ties(rows: torch.Tensor) -> torch.Tensor:
     if rows.dtype not in (torch.bfloat16, torch.float16):
         return torch.zeros(rows.shape[:-1], dtype=torch.bool, device=rows.device)
     top = rows.float().topk(2, dim=-1).values
-    return (top[..., 0] - top[..., 1]) <= 3e-2 * rows.float().abs().amax(-1)
+    return (top[..., 0] - top[..., 1]) <= HALF_TOLERANCE * rows.float().abs().amax(-1)
 
 
 @torch.inference_mode()

@@ -143,7 +143,7 @@ class _TrainModule(torch.nn.Module):
 
 
 def token_counts(cache, vocab: int) -> torch.Tensor:
-    """The cache's supervised-token counts, or every token once without one (modeling/preflight.py builds the draft
+    """The cache's supervised-token counts, or every token once without one (eval/preflight.py builds the draft
     before any data exists)."""
     return read_loss_token_counts(cache, vocab) if cache is not None else torch.ones(vocab, dtype=torch.int64)
 
@@ -302,7 +302,8 @@ class Eagle3Algorithm:
     @staticmethod
     def build(recipe, target, cache) -> Eagle3TrainModule:
         d = recipe.draft
-        vocab = draft_dims(target)["vocab_size"]
+        dims = draft_dims(target)
+        vocab = dims["vocab_size"]
         counts = token_counts(cache, vocab)
         draft_vocab = min(d.draft_vocab_size or vocab, vocab)
         d2t, t2d = build_vocab_mapping(counts, draft_vocab)
@@ -311,7 +312,7 @@ class Eagle3Algorithm:
         draft = Eagle3Model.from_target(config, target, d2t, t2d)
         _init_draft(draft, recipe, target, cache)
         draft = draft.float()
-        head = torch.nn.Linear(draft_dims(target)["hidden_size"], vocab, bias=False)
+        head = torch.nn.Linear(dims["hidden_size"], vocab, bias=False)
         head.weight.data.copy_(target.get_output_embeddings().weight.detach().float())
         return Eagle3TrainModule(draft, head, recipe)
 
